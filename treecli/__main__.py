@@ -1,0 +1,5 @@
+"""``python -m treecli``."""
+
+from treecli.cli import run
+
+run()

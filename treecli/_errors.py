@@ -1,0 +1,80 @@
+"""Error types. They carry data (file, key path, details); the CLI turns them
+into one line ``treecli: error: FILE: KEYPATH: what is wrong`` and exit code 2."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class TreecliError(Exception):
+    """Base of every error treecli raises on purpose.
+
+    Attributes:
+        message: what is wrong, one line.
+        file: the file (or directory) concerned, if any.
+        keypath: the key path concerned (text form), if any.
+        details: extra lines (a list of differing leaves, a caret line, ...),
+            printed indented under the message; at most 20 are shown.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        keypath: str | None = None,
+        details: Sequence[str] = (),
+    ):
+        self.message = message
+        self.file = None if file is None else str(file)
+        self.keypath = keypath
+        self.details = list(details)
+        super().__init__(self.headline())
+
+    def headline(self) -> str:
+        parts = []
+        if self.file is not None:
+            parts.append(self.file)
+        if self.keypath is not None:
+            parts.append(self.keypath or "<root>")
+        parts.append(self.message)
+        return ": ".join(parts)
+
+    def with_file(self, file: str) -> "TreecliError":
+        """Attach the file when the raiser did not know it; returns self."""
+        if self.file is None:
+            self.file = str(file)
+            self.args = (self.headline(),)
+        return self
+
+
+class FormatError(TreecliError):
+    """A file is not a valid checkpoint of its format (corrupt, truncated, hostile)."""
+
+
+class RefusedError(FormatError):
+    """A file treecli refuses on principle (a pickle: loading it can run code)."""
+
+
+class KeyPathError(TreecliError):
+    """A key path or pattern that does not resolve against a tree."""
+
+
+class KeyPathSyntaxError(KeyPathError):
+    """A key path or pattern that cannot be parsed."""
+
+    def __init__(self, text: str, position: int, reason: str):
+        self.text = text
+        self.position = position
+        super().__init__(
+            f"bad key path {text!r} at character {position + 1}: {reason}",
+            details=[text, " " * position + "^"],
+        )
+
+
+class StructureError(TreecliError):
+    """Trees that should agree (average, diff) do not: key paths, shapes or dtypes."""
+
+
+class UsageError(TreecliError):
+    """A command-line argument or option value that makes no sense."""

@@ -1,0 +1,112 @@
+"""The index language of ``slice``: NumPy basic indexing as typed inside ``x[...]``.
+
+``0``, ``-1``, ``:2``, ``...,-1``, ``1:5:2,:``, ``None, :`` — integers, slices,
+``...`` and ``None`` separated by commas. Nothing is evaluated: the text is
+tokenised, never passed to ``eval``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from treecli._errors import UsageError
+
+Index = tuple  # tuple[int | slice | EllipsisType | None, ...]
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def parse(text: str) -> Index:
+    """Parse ``"0, :128"`` into ``(0, slice(None, 128))``.
+
+    Raises:
+        UsageError: for anything that is not basic indexing.
+    """
+    stripped = text.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):
+        stripped = stripped[1:-1]
+    if not stripped:
+        raise UsageError(f"empty index {text!r}; write e.g. 0, :2 or ...,-1")
+    parts = [p.strip() for p in stripped.split(",")]
+    if parts and parts[-1] == "" and len(parts) > 1:  # a trailing comma, as in x[0,]
+        parts = parts[:-1]
+    out: list[Any] = []
+    for part in parts:
+        if part in ("...", "Ellipsis"):
+            out.append(Ellipsis)
+        elif part in ("None", "newaxis", "np.newaxis"):
+            out.append(None)
+        elif _INT.fullmatch(part):
+            out.append(int(part))
+        elif ":" in part:
+            bounds = [b.strip() for b in part.split(":")]
+            if len(bounds) > 3 or not all(b == "" or _INT.fullmatch(b) for b in bounds):
+                raise UsageError(f"bad slice {part!r} in index {text!r}; write start:stop:step with integers")
+            values = [int(b) if b else None for b in bounds]
+            if len(values) == 3 and values[2] == 0:
+                raise UsageError(f"slice step cannot be zero in index {text!r}")
+            out.append(slice(*values))
+        else:
+            raise UsageError(
+                f"bad index element {part!r} in {text!r}; use integers, start:stop:step, ... or None"
+            )
+    if out.count(Ellipsis) > 1:
+        raise UsageError(f"an index can only have a single ellipsis ('...'): {text!r}")
+    return tuple(out)
+
+
+def format_index(index: Index) -> str:
+    """The text form of a parsed index, as one would type it."""
+
+    def one(item: Any) -> str:
+        if item is Ellipsis:
+            return "..."
+        if item is None:
+            return "None"
+        if isinstance(item, slice):
+            text = ":".join("" if v is None else str(v) for v in (item.start, item.stop))
+            return text + (f":{item.step}" if item.step is not None else "")
+        return str(item)
+
+    return ", ".join(one(i) for i in index)
+
+
+def indexed_dims(index: Index) -> int:
+    """How many dimensions of the array an index consumes (``None`` and ``...`` consume none)."""
+    return sum(1 for item in index if item is not None and item is not Ellipsis)
+
+
+def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
+    """The shape of ``x[index]`` for an array of ``shape``, without any data.
+
+    Raises:
+        IndexError: as NumPy would (out of range, too many indices).
+    """
+    # A zero-stride view costs nothing whatever the shape; NumPy does the rest.
+    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=shape, strides=(0,) * len(shape))
+    return ghost[index].shape
+
+
+def selectors(shape: tuple[int, ...], index: Index) -> list[int | range]:
+    """Per source axis: the integer taken, or the ``range`` of positions selected.
+
+    ``None`` entries are dropped (they only insert length-1 axes, which a
+    reshape to :func:`result_shape` restores); ``...`` is expanded.
+    Call :func:`result_shape` first to validate the index.
+    """
+    items = [i for i in index if i is not None]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        fill = len(shape) - (len(items) - 1)
+        items = items[:at] + [slice(None)] * fill + items[at + 1 :]
+    items += [slice(None)] * (len(shape) - len(items))
+    out: list[int | range] = []
+    for item, dim in zip(items, shape):
+        if isinstance(item, slice):
+            out.append(range(*item.indices(dim)))
+        else:
+            out.append(item + dim if item < 0 else item)
+    return out

@@ -1,0 +1,285 @@
+"""The key-path language: parse, format and glob-match key paths.
+
+A *key path* addresses a node inside a tree. As a tuple it is the sequence of
+keys from the root: ``str`` for dict keys, ``int`` for sequence indices (and the
+rare int dict key). As text it is segments joined by ``.``::
+
+    params.dense.kernel        model.layers.0.self_attn.q_proj.weight
+    model["a.b"].weight        opt_state[0].mu          ['params']['dense']
+
+Parsing gives a *pattern*: a tuple of ``Segment``. A bare integer segment
+(``layers.0``) matches a sequence index or a string key spelled that way,
+whichever the node has; ``[0]`` means a sequence index only and ``["0"]`` a
+string key only. ``*`` matches within one segment, ``**`` zero or more segments.
+
+This module has no dependencies: the CLI's start-up and completion use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Sequence
+
+from treecli._errors import KeyPathSyntaxError
+
+KeyPath = tuple  # tuple[str | int, ...]
+
+# Characters that force a key into brackets and quotes when formatted.
+_PLAIN_KEY = re.compile(r"[^.=*\[\]\"'\s]+")
+_DIGITS = re.compile(r"-?[0-9]+")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parsed segment of a key path or pattern.
+
+    kind is one of: ``key`` (a string key, literal), ``index`` (a sequence
+    index, ``[0]``), ``bare`` (a bare integer: index or string key), ``glob``
+    (a segment containing ``*``), ``any`` (``**``).
+    """
+
+    kind: str
+    value: str | int
+
+    def matches(self, key: str | int) -> bool:
+        """Whether this single segment matches one key of a tree node."""
+        if self.kind == "key":
+            return isinstance(key, str) and key == self.value
+        if self.kind == "index":
+            return isinstance(key, int) and key == self.value
+        if self.kind == "bare":
+            return key == self.value or (isinstance(key, str) and key == str(self.value))
+        if self.kind == "glob":
+            return _glob_regex(self.value).fullmatch(str(key)) is not None
+        raise ValueError(f"segment {self} matches sequences of keys, not one key")
+
+
+Pattern = tuple  # tuple[Segment, ...]
+
+
+@lru_cache(maxsize=1024)
+def _glob_regex(glob: str) -> re.Pattern:
+    return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
+
+
+# ---------------------------------------------------------------------------
+# format
+
+
+def format_key(key: str | int) -> str:
+    """Format one key as it appears in a key path (without the joining dot)."""
+    if isinstance(key, int):
+        return str(key)
+    if _PLAIN_KEY.fullmatch(key):
+        return key
+    return "[" + json.dumps(key, ensure_ascii=False) + "]"
+
+
+def format_keypath(keypath: Sequence[str | int]) -> str:
+    """Format a key path tuple as text: ``("model", "layers", "0")`` -> ``model.layers.0``.
+
+    Keys that contain ``.``, ``=``, ``*``, brackets, quotes or white space, or
+    are empty, are written in brackets and quotes: ``model["a.b"].weight``.
+    The empty key path (the root) formats as ``""``.
+    """
+    out: list[str] = []
+    for key in keypath:
+        text = format_key(key)
+        if out and not text.startswith("["):
+            out.append(".")
+        out.append(text)
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------
+# parse
+
+
+def parse(text: str) -> Pattern:
+    """Parse a key path or pattern into a tuple of :class:`Segment`.
+
+    Accepts the dotted form (``a.b.0``), brackets with quoted keys or integer
+    indices (``a["x.y"][0]``) and JAX's ``keystr`` form (``['a']['b'][0]``).
+
+    Raises:
+        KeyPathSyntaxError: with the position of the offending character.
+    """
+    segments: list[Segment] = []
+    i, n = 0, len(text)
+    if n == 0:
+        return ()
+    expect_segment = True  # at the start, or just after a dot
+    while i < n:
+        ch = text[i]
+        if ch == "[":
+            segment, i = _parse_bracket(text, i)
+            segments.append(segment)
+            expect_segment = False
+        elif ch == ".":
+            if expect_segment:
+                raise KeyPathSyntaxError(text, i, "empty segment (quote an empty key as [\"\"])")
+            i += 1
+            expect_segment = True
+            if i == n:
+                raise KeyPathSyntaxError(text, i, "key path ends with '.'")
+        else:
+            if not expect_segment:
+                raise KeyPathSyntaxError(text, i, "expected '.' or '[' between segments")
+            j = i
+            while j < n and text[j] not in ".[":
+                if text[j] in "]\"'=" or text[j].isspace():
+                    raise KeyPathSyntaxError(
+                        text, j, f"{text[j]!r} is not allowed in a bare key; quote the key as [\"...\"]"
+                    )
+                j += 1
+            segments.append(_bare_segment(text[i:j]))
+            i = j
+            expect_segment = False
+    return tuple(segments)
+
+
+def _bare_segment(word: str) -> Segment:
+    if word == "**":
+        return Segment("any", "**")
+    if "*" in word:
+        return Segment("glob", word)
+    if _DIGITS.fullmatch(word):
+        return Segment("bare", int(word))
+    return Segment("key", word)
+
+
+def _parse_bracket(text: str, start: int) -> tuple[Segment, int]:
+    """Parse ``[...]`` at ``text[start]``; return the segment and the index after ``]``."""
+    i = start + 1
+    n = len(text)
+    if i < n and text[i] in "\"'":
+        quote = text[i]
+        j = i + 1
+        chars: list[str] = []
+        while j < n and text[j] != quote:
+            if text[j] == "\\":
+                if j + 1 >= n:
+                    break
+                esc = text[j + 1]
+                if quote == '"':
+                    # JSON escapes, as format_key writes them.
+                    if esc == "u":
+                        try:
+                            chars.append(chr(int(text[j + 2 : j + 6], 16)))
+                        except ValueError:
+                            raise KeyPathSyntaxError(text, j, "bad \\u escape") from None
+                        j += 6
+                        continue
+                    mapping = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/"}
+                    chars.append(mapping.get(esc, esc))
+                else:
+                    chars.append(esc)
+                j += 2
+                continue
+            chars.append(text[j])
+            j += 1
+        if j >= n:
+            raise KeyPathSyntaxError(text, start, "unterminated quoted key")
+        if j + 1 >= n or text[j + 1] != "]":
+            raise KeyPathSyntaxError(text, j + 1, "expected ']' after the quoted key")
+        return Segment("key", "".join(chars)), j + 2
+    j = text.find("]", i)
+    if j < 0:
+        raise KeyPathSyntaxError(text, start, "unterminated '['")
+    inner = text[i:j].strip()
+    if not _DIGITS.fullmatch(inner):
+        raise KeyPathSyntaxError(text, i, "expected an integer index or a quoted key inside [...]")
+    return Segment("index", int(inner)), j + 1
+
+
+def split_assignment(text: str) -> tuple[str, str]:
+    """Split ``KEYPATH=VALUE`` at the first ``=`` outside brackets and quotes.
+
+    Raises:
+        KeyPathSyntaxError: when there is no such ``=``.
+    """
+    depth, quote = 0, ""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'" and depth:
+            quote = ch
+        elif ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        elif ch == "=" and depth == 0:
+            return text[:i], text[i + 1 :]
+        i += 1
+    raise KeyPathSyntaxError(text, len(text), "expected KEYPATH=VALUE")
+
+
+# ---------------------------------------------------------------------------
+# match
+
+
+def is_literal(pattern: Pattern) -> bool:
+    """True when the pattern has no ``*`` or ``**``: it names one key path."""
+    return all(seg.kind in ("key", "index", "bare") for seg in pattern)
+
+
+def matches(pattern: Pattern, keypath: Sequence[str | int]) -> bool:
+    """Whether the pattern matches exactly this key path (all of it)."""
+    return _match(tuple(pattern), tuple(keypath), 0, 0, {})
+
+
+def covers(pattern: Pattern, keypath: Sequence[str | int]) -> bool:
+    """Whether the pattern matches the key path or one of its ancestors.
+
+    A pattern that names an inner node covers every leaf under it.
+    """
+    keypath = tuple(keypath)
+    memo: dict = {}
+    return any(_match(tuple(pattern), keypath[:k], 0, 0, memo) for k in range(len(keypath) + 1))
+
+
+def _match(pattern: tuple, keypath: tuple, p: int, k: int, memo: dict) -> bool:
+    state = (p, k, len(keypath))
+    if state in memo:
+        return memo[state]
+    if p == len(pattern):
+        result = k == len(keypath)
+    elif pattern[p].kind == "any":
+        result = _match(pattern, keypath, p + 1, k, memo) or (
+            k < len(keypath) and _match(pattern, keypath, p, k + 1, memo)
+        )
+    else:
+        result = k < len(keypath) and pattern[p].matches(keypath[k]) and _match(
+            pattern, keypath, p + 1, k + 1, memo
+        )
+    memo[state] = result
+    return result
+
+
+def natural_sort_key(key: str | int) -> tuple:
+    """Sort key for display order: ``layers.2`` before ``layers.10``."""
+    if isinstance(key, int):
+        return (0, key, "")
+    parts = re.split(r"(\d+)", key)
+    return (1, 0, tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in parts))
+
+
+def closest(wanted: str, candidates: Iterable[str], limit: int = 3) -> list[str]:
+    """The candidates closest to ``wanted`` in spelling, best first."""
+    import difflib
+
+    pool = list(dict.fromkeys(candidates))
+    found = difflib.get_close_matches(wanted, pool, n=limit, cutoff=0.4)
+    if not found:
+        # Fall back on shared prefixes: `model.layer.3` -> `model.layers.3...`
+        head = wanted.split(".")[0]
+        found = [c for c in pool if c.startswith(head)][:limit]
+    return found

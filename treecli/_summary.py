@@ -1,0 +1,172 @@
+"""What ``show`` reports: a summary tree with per-subtree totals, from metadata alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli._keypath import KeyPath, format_keypath
+
+
+@dataclass
+class Node:
+    """One row of ``show``: an inner node with totals, an array leaf, or a value leaf."""
+
+    key: Any
+    keypath: KeyPath
+    kind: str  # "node", "array" or "value"
+    children: list["Node"] = field(default_factory=list)
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    nbytes: int = 0
+    params: int = 0
+    num_leaves: int = 0
+    value: Any = None
+    stats: dict[str, Any] | None = None
+
+    @property
+    def text_keypath(self) -> str:
+        return format_keypath(self.keypath)
+
+
+def summarize(tree: Any, where: list[str] = ()) -> Node:
+    """The summary tree of ``tree``, restricted to the subtrees ``where`` patterns cover.
+
+    Raises:
+        KeyPathError: a ``where`` pattern that matches nothing (naming the closest key paths).
+    """
+    patterns = [(text, _keypath.parse(text)) for text in where]
+    for text, pattern in patterns:
+        if not any(_keypath.matches(pattern, kp) for kp, _ in _tree.iter_nodes(tree)):
+            raise _tree.no_match(tree, text)
+
+    def build(node: Any, keypath: KeyPath) -> Node | None:
+        key = keypath[-1] if keypath else None
+        if _tree.is_node(node):
+            out = Node(key=key, keypath=keypath, kind="node")
+            for child_key, child in _tree.children(node):
+                child_node = build(child, keypath + (child_key,))
+                if child_node is not None:
+                    out.children.append(child_node)
+                    out.nbytes += child_node.nbytes
+                    out.params += child_node.params
+                    out.num_leaves += child_node.num_leaves
+            return out if out.children or not keypath else None
+        if patterns and not any(_keypath.covers(p, keypath) for _, p in patterns):
+            return None
+        if _leaf.is_array(node):
+            shape = tuple(int(d) for d in node.shape)
+            dtype = np.dtype(node.dtype)
+            size = math.prod(shape)
+            return Node(key=key, keypath=keypath, kind="array", shape=shape, dtype=_dtypes.name(dtype),
+                        nbytes=size * dtype.itemsize, params=size, num_leaves=1)
+        return Node(key=key, keypath=keypath, kind="value", value=node, num_leaves=1)
+
+    return build(tree, ()) or Node(key=None, keypath=(), kind="node")
+
+
+def leaves(root: Node) -> list[Node]:
+    """The leaf rows under a summary node, in display order."""
+    if root.kind != "node":
+        return [root]
+    out: list[Node] = []
+    for child in root.children:
+        out.extend(leaves(child))
+    return out
+
+
+def dtype_totals(root: Node) -> list[tuple[str, int, int, int]]:
+    """``(dtype, number of arrays, params, bytes)`` per dtype, largest first."""
+    totals: dict[str, list[int]] = {}
+    for leaf in leaves(root):
+        if leaf.kind == "array":
+            entry = totals.setdefault(leaf.dtype, [0, 0, 0])
+            entry[0] += 1
+            entry[1] += leaf.params
+            entry[2] += leaf.nbytes
+    return sorted(((d, *v) for d, v in totals.items()), key=lambda row: -row[3])
+
+
+def value_type(value: Any) -> str:
+    """The JSON ``type`` of a non-array leaf."""
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, (int, np.integer)):
+        return "int"
+    if isinstance(value, (float, np.floating)):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, dict):
+        return "dict"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return type(value).__name__
+
+
+def json_value(value: Any) -> Any:
+    """A non-array leaf's value for JSON: non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if isinstance(value, (np.generic,)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (dict, list, tuple)):
+        return {} if isinstance(value, dict) else []
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def add_stats(root: Node, tree: Any, progress: Callable[[int], None] | None = None) -> None:
+    """Stream every array leaf once and attach min / max / mean / std and counts."""
+    for row in leaves(root):
+        if row.kind == "array":
+            row.stats = leaf_stats(_leaf.as_leaf(_tree.get(tree, row.keypath)), progress)
+
+
+def leaf_stats(leaf: _leaf.ArrayLeaf, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Statistics of one leaf, chunk by chunk (float64 accumulators; Chan's merge for the variance)."""
+    count = finite = nan = inf = zeros = 0
+    lo, hi = math.inf, -math.inf
+    mean = m2 = 0.0
+    numeric = leaf.dtype.kind in "biu" or _dtypes.is_float(leaf.dtype)
+    for start, stop in leaf.chunk_ranges():
+        chunk = leaf.read_flat(start, stop)
+        if progress:
+            progress(chunk.nbytes)
+        count += chunk.size
+        if not numeric:  # complex: only zeros are meaningful here
+            zeros += int(np.count_nonzero(chunk == 0))
+            continue
+        values = chunk.astype(np.float64)
+        is_nan = np.isnan(values)
+        is_inf = np.isinf(values)
+        nan += int(is_nan.sum())
+        inf += int(is_inf.sum())
+        zeros += int(np.count_nonzero(values == 0))
+        good = values[~(is_nan | is_inf)] if (nan or inf) else values
+        if good.size == 0:
+            continue
+        lo, hi = min(lo, float(good.min())), max(hi, float(good.max()))
+        n_b = good.size
+        mean_b = float(good.mean())
+        m2_b = float(((good - mean_b) ** 2).sum())
+        total = finite + n_b
+        delta = mean_b - mean
+        mean += delta * n_b / total
+        m2 += m2_b + delta * delta * finite * n_b / total
+        finite = total
+    stats: dict[str, Any] = {"count": count, "nan": nan, "inf": inf, "zeros": zeros}
+    if finite:
+        stats.update(min=lo, max=hi, mean=mean, std=math.sqrt(m2 / finite))
+    else:
+        stats.update(min=None, max=None, mean=None, std=None)
+    return stats

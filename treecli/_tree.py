@@ -1,0 +1,161 @@
+"""Tree walks over nested dict / list / tuple with key paths.
+
+treecli's own small versions of ``jax.tree_util``'s walks, so that commands on
+flat formats run on NumPy alone. Conventions:
+
+- inner nodes are non-empty ``dict``, ``list`` and ``tuple`` (namedtuples too);
+- leaves are everything else: arrays, Python scalars, strings, ``None`` (a leaf
+  here, so it can be addressed and shown, as with ``is_leaf=lambda x: x is None``)
+  and *empty* containers (shown as ``{}`` / ``[]`` leaves);
+- dict children are visited in natural order (``layers.2`` before ``layers.10``),
+  sequence children by index.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from treecli import _keypath
+from treecli._errors import KeyPathError
+from treecli._keypath import KeyPath, format_keypath
+
+
+def is_node(value: Any) -> bool:
+    return isinstance(value, (dict, list, tuple)) and len(value) > 0
+
+
+def children(node: Any) -> list[tuple[Any, Any]]:
+    """``(key, child)`` pairs of an inner node, in display order."""
+    if isinstance(node, dict):
+        return [(k, node[k]) for k in sorted(node, key=_keypath.natural_sort_key)]
+    return list(enumerate(node))
+
+
+def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
+    """All leaves with their key paths, in display order."""
+    out: list[tuple[KeyPath, Any]] = []
+
+    def walk(node: Any, prefix: KeyPath) -> None:
+        if is_node(node):
+            for key, child in children(node):
+                walk(child, prefix + (key,))
+        else:
+            out.append((prefix, node))
+
+    walk(tree, ())
+    return out
+
+
+def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
+    """Every node, inner and leaf, with its key path (the root first)."""
+    stack: list[tuple[KeyPath, Any]] = [((), tree)]
+    while stack:
+        keypath, node = stack.pop()
+        yield keypath, node
+        if is_node(node):
+            stack.extend((keypath + (k,), c) for k, c in reversed(children(node)))
+
+
+def map_leaves(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
+    """A new tree of the same structure with ``fn(keypath, leaf)`` at each leaf."""
+
+    def walk(node: Any, prefix: KeyPath) -> Any:
+        if not is_node(node):
+            return fn(prefix, node)
+        if isinstance(node, dict):
+            return {k: walk(v, prefix + (k,)) for k, v in node.items()}
+        items = [walk(v, prefix + (i,)) for i, v in enumerate(node)]
+        if isinstance(node, list):
+            return items
+        if hasattr(node, "_fields"):  # namedtuple
+            return type(node)(*items)
+        return type(node)(items)
+
+    return walk(tree, ())
+
+
+def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None) -> Any:
+    """Build a tree from ``(keypath, leaf)`` pairs.
+
+    Inner nodes are dicts, except where ``template`` has a list or tuple at the
+    same key path and the children are sequence indices: those keep their type
+    (with indices renumbered in order if some were removed).
+    """
+    if len(items) == 1 and items[0][0] == ():
+        return items[0][1]
+    root: dict = {}
+    for keypath, leaf in items:
+        node = root
+        for key in keypath[:-1]:
+            node = node.setdefault(key, {})
+        node[keypath[-1]] = leaf
+
+    def restore(node: Any, prefix: KeyPath) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        original = _get_or_none(template, prefix)
+        rebuilt = {k: restore(v, prefix + (k,)) for k, v in node.items()}
+        if isinstance(original, (list, tuple)) and all(isinstance(k, int) for k in rebuilt):
+            values = [rebuilt[k] for k in sorted(rebuilt)]
+            if isinstance(original, list):
+                return values
+            if hasattr(original, "_fields") and len(values) == len(original):
+                return type(original)(*values)
+            return tuple(values)
+        return rebuilt
+
+    return restore(root, ())
+
+
+def _get_or_none(tree: Any, keypath: KeyPath) -> Any:
+    node = tree
+    for key in keypath:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def get(tree: Any, keypath: KeyPath) -> Any:
+    """The node at an exact key path tuple. Raises KeyError if absent."""
+    node = tree
+    for key in keypath:
+        if not is_node(node):
+            raise KeyError(keypath)
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(keypath) from None
+    return node
+
+
+def find(tree: Any, pattern: str | tuple) -> list[KeyPath]:
+    """Key paths of the nodes (inner or leaf) a pattern matches, in display order.
+
+    A literal key path resolves to at most one node; ``*`` / ``**`` can match many.
+    """
+    parsed = _keypath.parse(pattern) if isinstance(pattern, str) else pattern
+    return [kp for kp, _ in iter_nodes(tree) if _keypath.matches(parsed, kp)]
+
+
+def leaves_under(tree: Any, pattern: str | tuple) -> list[KeyPath]:
+    """Key paths of the leaves a pattern covers (matching nodes and everything under them)."""
+    parsed = _keypath.parse(pattern) if isinstance(pattern, str) else pattern
+    return [kp for kp, _ in flatten(tree) if _keypath.covers(parsed, kp)]
+
+
+def no_match(tree: Any, pattern_text: str, what: str = "matches nothing") -> KeyPathError:
+    """The error for a pattern that matches nothing, naming the closest key paths."""
+    candidates = [format_keypath(kp) for kp, _ in iter_nodes(tree) if kp]
+    near = _keypath.closest(pattern_text, candidates)
+    hint = f"; closest: {', '.join(near)}" if near else ""
+    return KeyPathError(f"{what}{hint}", keypath=pattern_text)
+
+
+def resolve(tree: Any, pattern_text: str) -> list[KeyPath]:
+    """Like :func:`find`, but a pattern that matches nothing is a :class:`KeyPathError`."""
+    found = find(tree, pattern_text)
+    if not found:
+        raise no_match(tree, pattern_text)
+    return found

@@ -1,0 +1,92 @@
+"""The Typer app and its one error boundary.
+
+Commands live one per module and are thin: parse, one library call, render.
+Heavy imports (NumPy, formats) happen inside the command functions, so
+``treecli --help`` and completion stay fast and never import jax or orbax.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from treecli.cli.show import show
+
+app = typer.Typer(
+    name="treecli",
+    help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    if version:
+        from importlib.metadata import version as dist_version
+
+        typer.echo(f"treecli {dist_version('treecli')}")
+        raise typer.Exit(0)
+
+
+app.command()(show)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; map every error to one line on stderr and an exit code.
+
+    Exit codes: 0 ok, 1 differences (diff), 2 error, 130 interrupted.
+    """
+    from treecli._errors import TreecliError
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args
+    try:
+        result = app(args=args, prog_name="treecli", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:  # completion scripts and --help exit this way
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        sys.stderr.write("treecli: interrupted\n")
+        return 130
+    except typer.Abort:
+        sys.stderr.write("treecli: interrupted\n")
+        return 130
+    except TreecliError as e:
+        if debug:
+            raise
+        _print_error(e.headline(), e.details)
+        return 2
+    except typer.TyperException as e:  # Click usage errors: bad option, missing argument
+        if debug:
+            raise
+        _print_error(e.format_message())
+        return getattr(e, "exit_code", 2) or 2
+    except BrokenPipeError:  # `treecli show big | head`
+        return 0
+    except Exception as e:
+        if debug:
+            raise
+        _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
+        return 2
+
+
+def _print_error(headline: str, details: list[str] = ()) -> None:
+    lines = [f"treecli: error: {' '.join(headline.splitlines())}"]
+    lines += [f"    {d}" for d in details[:20]]
+    if len(details) > 20:
+        lines.append(f"    ... and {len(details) - 20} more")
+    sys.stderr.write("\n".join(lines) + "\n")
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

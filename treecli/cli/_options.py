@@ -1,0 +1,51 @@
+"""Options shared by several commands, declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli._complete import complete_keypaths
+
+CheckpointArg = Annotated[
+    Path,
+    typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory.",
+                   show_default=False),
+]
+FormatOpt = Annotated[
+    Optional[str],
+    typer.Option("--format", "-f", help="Format of the input (default: detected from its bytes or layout).",
+                 show_default=False),
+]
+OutputFormatOpt = Annotated[
+    Optional[str],
+    typer.Option("--format", "-f", help="Format of the output (default: from the -o name, else the input's).",
+                 show_default=False),
+]
+StepOpt = Annotated[
+    Optional[int],
+    typer.Option("--step", help="Step of a CheckpointManager root (default: the latest).", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout, for scripts.")]
+WhereOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--where", "-w", help="Only the subtrees matching this key-path pattern (repeatable).",
+                 autocompletion=complete_keypaths, show_default=False),
+]
+OutputOpt = Annotated[
+    Path,
+    typer.Option("--output", "-o", help="Output file or directory; the format follows its extension.",
+                 show_default=False),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
+MaxShardOpt = Annotated[
+    Optional[str],
+    typer.Option("--max-shard-size", help="Shard a safetensors directory output (e.g. 5GB, 500MiB).",
+                 show_default=False),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
+DropUnsupportedOpt = Annotated[
+    bool, typer.Option("--drop-unsupported", help="Drop leaves the output format cannot hold, with a warning."),
+]

@@ -1,0 +1,57 @@
+"""``treecli show``: what is in this checkpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input
+from treecli.cli._output import Output
+
+
+def show(
+    checkpoint: opt.CheckpointArg,
+    where: opt.WhereOpt = None,
+    depth: Annotated[
+        Optional[int], typer.Option("--depth", "-d", min=1, help="Fold levels deeper than N into their totals.",
+                                    show_default=False)
+    ] = None,
+    flat: Annotated[bool, typer.Option("--flat", help="A table of full key paths instead of a tree.")] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Read the data once: min/max/mean/std and NaN/Inf/zero counts per leaf.")
+    ] = False,
+    json: opt.JsonOpt = False,
+    format: opt.FormatOpt = None,
+    step: opt.StepOpt = None,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Show the tree of a checkpoint: shapes, dtypes, sizes, totals, metadata.
+
+    Reads metadata only (instant on any size) unless --stats.
+
+    Examples:
+
+        treecli show model.safetensors
+
+        treecli show ./Llama-3-8B --where 'model.layers.0.**' --flat
+
+        treecli show ckpt_dir --depth 2 --json
+    """
+    from treecli import _render, _summary
+
+    out = Output(quiet=quiet)
+    with open_input(out, checkpoint, format, step) as ckpt:
+        root = _summary.summarize(ckpt.tree, where or [])
+        if stats:
+            with out.progress("reading", root.nbytes) as advance:
+                _summary.add_stats(root, ckpt.tree, advance)
+        extra = [_render.info_text(ckpt.info)] if ckpt.info else []
+        if json:
+            document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata)
+            document.update(ckpt.info)
+            out.json(document)
+        else:
+            out.print(_render.show_view(str(checkpoint), ckpt.format, root, ckpt.metadata, flat=flat,
+                                        depth=depth, stats=stats, plain=out.plain, extra=extra))

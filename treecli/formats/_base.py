@@ -1,0 +1,62 @@
+"""What every format module provides, and what opening a checkpoint returns.
+
+A format module defines a module-level ``FORMAT`` object with:
+
+- ``name`` (``"safetensors"``), ``extensions`` (``(".safetensors",)``),
+  ``separator`` (how flat keys nest: ``"."``, ``"/"``, or ``None`` if the
+  format stores a real tree);
+- ``sniff(path) -> str | None``: ``None`` if the file or directory looks like
+  this format, else why not (shown when no format accepts a file);
+- ``open(path, **options) -> Checkpoint``: metadata only, lazy leaves;
+- ``write(tree, target, options: WriteOptions) -> None`` (optional): stream
+  the tree to ``target`` (a temporary path given by the atomic writer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: a tree of lazy leaves plus what surrounds it."""
+
+    tree: Any
+    format: str
+    file: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: Other files of an input directory (config.json, tokenizer files), copied
+    #: unchanged to a directory output.
+    companions: list[Path] = field(default_factory=list)
+    #: Warnings met while opening (a file opened flat, an ignored stray shard).
+    warnings: list[str] = field(default_factory=list)
+    #: Extra facts for ``show`` (the steps of a CheckpointManager root, ...).
+    info: dict[str, Any] = field(default_factory=dict)
+    _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        for close in self._closers:
+            close()
+        self._closers.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class WriteOptions:
+    """Options every writer understands (a writer ignores what does not apply)."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    max_shard_size: int | None = None
+    companions: list[Path] = field(default_factory=list)
+    drop_unsupported: bool = False
+    #: Called with the number of bytes written after each chunk (progress bars).
+    progress: Callable[[int], None] | None = None
+    #: Called with each warning line the writer has for the user.
+    warn: Callable[[str], None] | None = None

@@ -1,0 +1,442 @@
+"""safetensors: single files, HF sharded checkpoints (directory or index JSON).
+
+The header is parsed and validated by treecli itself before anything is
+allocated: its length against the file and the 100 MB limit of the reference,
+strict UTF-8 JSON with duplicate keys refused, known dtypes, offsets that tile
+the data region exactly, and shape x itemsize equal to each byte range (Python
+integers, so no overflow). Leaves are lazy; writing streams leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from treecli import _dtypes, _leaf
+from treecli._errors import FormatError, TreecliError
+from treecli._keypath import format_keypath
+from treecli.formats import _flatkeys
+from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._filedata import FileArrayLeaf, FileReader
+
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+INDEX_SUFFIX = ".safetensors.index.json"
+
+_CODES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "C64": "complex64",
+}
+_DTYPE_OF_CODE = {code: _dtypes.parse(name) for code, name in _CODES.items()}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPE_OF_CODE.items()}
+_PACKED_CODES = {"F4", "F6_E2M3", "F6_E3M2"}  # several elements per byte
+
+
+class _Format:
+    name = "safetensors"
+    extensions = (".safetensors",)
+    separator = "."
+
+    def sniff(self, path: Path) -> str | None:
+        if path.is_dir():
+            if any(path.glob("*" + INDEX_SUFFIX)) or any(path.glob("*.safetensors")):
+                return None
+            return "directory has no *.safetensors files"
+        if path.name.endswith(INDEX_SUFFIX):
+            return None
+        try:
+            with open(path, "rb") as f:
+                head = f.read(9)
+            size = path.stat().st_size
+        except OSError as e:
+            return str(e)
+        if len(head) < 9:
+            return "too short for a safetensors header"
+        (n,) = struct.unpack("<Q", head[:8])
+        if n > min(MAX_HEADER_BYTES, size - 8) or head[8:9] not in (b"{", b" ", b"\t", b"\n", b"\r"):
+            return "does not start with a safetensors header"
+        return None
+
+    def open(self, path: Path, **_: Any) -> Checkpoint:
+        path = Path(path)
+        if path.is_dir():
+            return _open_directory(path)
+        if path.name.endswith(INDEX_SUFFIX):
+            return _open_index(path)
+        return _open_file(path)
+
+    def default_output_is_directory(self, checkpoint: Checkpoint | None) -> bool:
+        return False
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        entries = _entries_for_writing(tree, str(target), options)
+        if target.is_dir():
+            _write_directory(entries, target, options)
+        else:
+            _write_file(target, entries, options.metadata, options)
+
+
+FORMAT = _Format()
+
+
+# ---------------------------------------------------------------------------
+# reading
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
+    """Validate a safetensors file's header.
+
+    Returns:
+        ``(tensors, metadata, data_start)``: each tensor's ``dtype`` (NumPy),
+        ``shape`` and absolute byte ``offset``, in file order; the
+        ``__metadata__`` strings; the byte where the data region starts.
+
+    Raises:
+        FormatError: naming the file and, where there is one, the tensor.
+    """
+    file = str(path)
+    size = os.stat(path).st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise FormatError(f"file is {size} bytes, too short for a safetensors header (8-byte length + JSON)", file=file)
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise FormatError(
+                f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not safetensors)",
+                file=file,
+            )
+        if 8 + header_len > size:
+            raise FormatError(
+                f"file is truncated: its header declares {header_len} header bytes, "
+                f"but the file is only {size} bytes",
+                file=file,
+            )
+        raw = f.read(header_len)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"header is not valid UTF-8 (byte {e.start})", file=file) from None
+    header = _parse_json(text, file)
+    if not isinstance(header, dict):
+        raise FormatError(f"header is a JSON {type(header).__name__}, not an object", file=file)
+
+    metadata_raw = header.pop("__metadata__", None)
+    if metadata_raw is None:
+        metadata: dict[str, str] = {}
+    elif isinstance(metadata_raw, dict) and all(isinstance(v, str) for v in metadata_raw.values()):
+        metadata = metadata_raw
+    else:
+        raise FormatError("__metadata__ must be an object of strings", file=file)
+
+    data_start = 8 + header_len
+    data_len = size - data_start
+    tensors: dict[str, dict] = {}
+    spans = []
+    for name, info in header.items():
+        dtype, shape, begin, end = _check_entry(name, info, file)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise FormatError(
+                f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {list(shape)} "
+                f"of {_dtypes.name(dtype)} needs {nbytes}",
+                file=file, keypath=name,
+            )
+        spans.append((begin, end, name))
+        tensors[name] = {"dtype": dtype, "shape": shape, "offset": data_start + begin, "nbytes": nbytes}
+    # Offsets must tile [0, data_len) exactly: sorted, no gap, no overlap.
+    spans.sort()
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else f"leaves a gap at byte {position}"
+            raise FormatError(f"data_offsets [{begin}, {end}) {what}", file=file, keypath=name)
+        position = end
+    if position != data_len:
+        if position > data_len:
+            raise FormatError(
+                f"file is truncated: its header declares tensor data through byte {data_start + position}, "
+                f"but the file is only {size} bytes",
+                file=file,
+            )
+        raise FormatError(
+            f"{data_len - position} trailing bytes after the last tensor (data ends at byte "
+            f"{data_start + position}, file is {size} bytes)",
+            file=file,
+        )
+    ordered = {name: tensors[name] for _, _, name in spans}
+    return ordered, metadata, data_start
+
+
+def _parse_json(text: str, file: str) -> Any:
+    def no_duplicates(pairs: list) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise FormatError(f"duplicate key {key!r} in the header", file=file)
+            out[key] = value
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise FormatError(f"header contains {name}, which is not JSON", file=file)
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"header is not valid JSON: {e.msg} at character {e.pos}", file=file) from None
+    except RecursionError:
+        raise FormatError("header JSON is nested too deeply", file=file) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_entry(name: str, info: Any, file: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    if not isinstance(info, dict):
+        raise FormatError("tensor entry is not an object", file=file, keypath=name)
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in info:
+            raise FormatError(f"tensor entry has no {field!r}", file=file, keypath=name)
+    code = info["dtype"]
+    if code in _PACKED_CODES:
+        raise FormatError(f"dtype {code} packs several values per byte; treecli does not read it yet", file=file, keypath=name)
+    if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
+        raise FormatError(f"unknown dtype {code!r} (known: {', '.join(_CODES)})", file=file, keypath=name)
+    shape = info["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise FormatError(f"shape {shape!r} is not a list of non-negative integers", file=file, keypath=name)
+    offsets = info["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[1] < offsets[0]
+    ):
+        raise FormatError(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", file=file, keypath=name)
+    return _DTYPE_OF_CODE[code], tuple(shape), offsets[0], offsets[1]
+
+
+def _open_file(path: Path) -> Checkpoint:
+    tensors, metadata, _ = read_header(path)
+    reader = FileReader(str(path))
+    items = [(name, FileArrayLeaf(reader, t["offset"], t["shape"], t["dtype"])) for name, t in tensors.items()]
+    tree, warning = _flatkeys.nest(items, ".")
+    checkpoint = Checkpoint(tree=tree, format="safetensors", file=str(path), metadata=dict(metadata))
+    checkpoint.warnings.extend([warning] if warning else [])
+    checkpoint._closers.append(reader.close)
+    return checkpoint
+
+
+def _open_directory(path: Path) -> Checkpoint:
+    indexes = sorted(p for p in path.glob("*" + INDEX_SUFFIX) if not p.name.startswith("."))
+    if len(indexes) > 1:
+        names = ", ".join(p.name for p in indexes)
+        raise FormatError(f"directory holds several shard indexes ({names}); name one of them", file=str(path))
+    if indexes:
+        return _open_index(indexes[0])
+    files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
+    if len(files) != 1:
+        raise FormatError(
+            "directory holds several *.safetensors files but no *.safetensors.index.json; name one file",
+            file=str(path),
+        )
+    checkpoint = _open_file(files[0])
+    checkpoint.file = str(path)
+    checkpoint.companions = _companions(path, {files[0].name})
+    return checkpoint
+
+
+def _companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
+    return sorted(
+        p for p in directory.iterdir()
+        if p.is_file() and not p.is_symlink() and p.name not in checkpoint_files and not p.name.startswith(".")
+        and not p.name.endswith(".safetensors")
+    )
+
+
+def _open_index(index_path: Path) -> Checkpoint:
+    file = str(index_path)
+    directory = index_path.parent
+    try:
+        text = index_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"cannot read the shard index: {e}", file=file) from None
+    index = _parse_json(text, file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError("shard index has no 'weight_map' object of tensor name -> shard file", file=file)
+    # Every shard name must stay inside the directory: refused before any open.
+    for name, shard in weight_map.items():
+        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or Path(shard).is_absolute():
+            raise FormatError(f"weight_map names shard {shard!r}, which leaves the checkpoint directory", file=file, keypath=name)
+    shards = list(dict.fromkeys(weight_map.values()))
+    checkpoint = Checkpoint(tree=None, format="safetensors", file=file)
+    items: list[tuple[str, Any]] = []
+    owner: dict[str, str] = {}
+    for shard in shards:
+        shard_path = directory / shard
+        if not shard_path.is_file():
+            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
+        try:
+            tensors, metadata, _ = read_header(shard_path)
+        except TreecliError as e:
+            raise e.with_file(str(shard_path))
+        reader = FileReader(str(shard_path))
+        checkpoint._closers.append(reader.close)
+        for key, value in metadata.items():
+            checkpoint.metadata.setdefault(key, value)
+        for name, t in tensors.items():
+            if name in owner:
+                raise FormatError(f"tensor is in two shards: {owner[name]} and {shard}", file=file, keypath=name)
+            owner[name] = shard
+            if weight_map.get(name) != shard:
+                raise FormatError(
+                    f"tensor is stored in shard {shard} but the index maps it to {weight_map.get(name)!r}",
+                    file=file, keypath=name,
+                )
+            items.append((name, FileArrayLeaf(reader, t["offset"], t["shape"], t["dtype"])))
+    for name, shard in weight_map.items():
+        if name not in owner:
+            raise FormatError(f"the index maps this tensor to shard {shard}, which does not hold it", file=file, keypath=name)
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in shards and not p.name.startswith("."))
+    if stray:
+        checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index_path.name}")
+    checkpoint.tree, warning = _flatkeys.nest(items, ".")
+    if warning:
+        checkpoint.warnings.append(warning)
+    checkpoint.companions = _companions(directory, set(shards) | {index_path.name})
+    return checkpoint
+
+
+# ---------------------------------------------------------------------------
+# writing
+
+
+def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any]]:
+    entries = []
+    unsupported = []
+    for key, keypath, leaf in _flatkeys.flatten_for_writing(tree, ".", file):
+        if not _leaf.is_array(leaf):
+            unsupported.append(f"{format_keypath(keypath)} ({_describe(leaf)})")
+            continue
+        leaf = _leaf.as_leaf(leaf)
+        if leaf.dtype not in _CODE_OF_DTYPE:
+            unsupported.append(f"{format_keypath(keypath)} (dtype {_dtypes.name(leaf.dtype)})")
+            continue
+        entries.append((key, leaf))
+    if unsupported:
+        if not options.drop_unsupported:
+            raise TreecliError(
+                f"safetensors cannot hold {len(unsupported)} leaves (use --drop-unsupported to drop them)",
+                file=file, details=unsupported,
+            )
+        if options.warn:
+            options.warn(f"dropped {len(unsupported)} leaves safetensors cannot hold: {', '.join(unsupported[:20])}")
+    return entries
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, (dict, list, tuple)):
+        return f"empty {type(value).__name__}"
+    return type(value).__name__
+
+
+def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for key, leaf in entries:
+        header[key] = {
+            "dtype": _CODE_OF_DTYPE[leaf.dtype],
+            "shape": list(leaf.shape),
+            "data_offsets": [offset, offset + leaf.nbytes],
+        }
+        offset += leaf.nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # align the data region, as the reference does
+    with open(path, "xb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for key, leaf in entries:
+            write_leaf_bytes(f, leaf, key, str(path), options)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptions) -> None:
+    """Stream one leaf's bytes (little-endian, C order) to ``f``, chunk by chunk."""
+    written = 0
+    for start, stop in leaf.chunk_ranges():
+        chunk = leaf.read_flat(start, stop)
+        if chunk.dtype != leaf.dtype or chunk.size != stop - start:
+            raise TreecliError(
+                f"internal error: chunk [{start}, {stop}) came back as {chunk.size} x {chunk.dtype}, "
+                f"expected {stop - start} x {leaf.dtype}",
+                file=file, keypath=key,
+            )
+        if chunk.dtype.byteorder == ">":
+            chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
+        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+        f.write(raw)
+        written += raw.nbytes
+        if options.progress:
+            options.progress(raw.nbytes)
+    if written != leaf.nbytes:
+        raise TreecliError(f"internal error: wrote {written} bytes, expected {leaf.nbytes}", file=file, keypath=key)
+
+
+def _write_directory(entries: list[tuple[str, Any]], directory: Path, options: WriteOptions) -> None:
+    limit = options.max_shard_size
+    shards: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for key, leaf in entries:
+        if limit and shards[-1] and size + leaf.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, leaf))
+        size += leaf.nbytes
+    if len(shards) == 1:
+        _write_file(directory / "model.safetensors", shards[0], options.metadata, options)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(directory / name, shard, options.metadata, options)
+        weight_map.update({key: name for key, _ in shard})
+    index = {
+        "metadata": {
+            "total_size": sum(leaf.nbytes for _, leaf in entries),
+            "total_parameters": sum(leaf.size for _, leaf in entries),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    # The index last: a directory without it is not a complete sharded checkpoint.
+    with open(directory / "model.safetensors.index.json", "x", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` -> 5e9 bytes, ``500MiB`` -> 500 * 2**20, ``1000`` -> 1000 (as transformers reads them)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise TreecliError(f"bad size {text!r}; write e.g. 5GB, 500MiB or a number of bytes")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    power = "KMGT".find(unit.upper()) + 1 if unit else 0
+    return int(float(number) * base**power)
