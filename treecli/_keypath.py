@@ -50,8 +50,8 @@ class Segment:
             return isinstance(key, str) and key == self.value
         if self.kind == "index":
             return isinstance(key, int) and key == self.value
-        if self.kind == "bare":
-            return key == self.value or (isinstance(key, str) and key == str(self.value))
+        if self.kind == "bare":  # value is the digits as typed: "0" matches index 0 and key "0"
+            return (key if isinstance(key, str) else str(key)) == self.value
         if self.kind == "glob":
             return _glob_regex(self.value).fullmatch(str(key)) is not None
         raise ValueError(f"segment {self} matches sequences of keys, not one key")
@@ -147,7 +147,7 @@ def _bare_segment(word: str) -> Segment:
     if "*" in word:
         return Segment("glob", word)
     if _DIGITS.fullmatch(word):
-        return Segment("bare", int(word))
+        return Segment("bare", word)
     return Segment("key", word)
 
 
@@ -268,8 +268,8 @@ def natural_sort_key(key: str | int) -> tuple:
     """Sort key for display order: ``layers.2`` before ``layers.10``."""
     if isinstance(key, int):
         return (0, key, "")
-    parts = re.split(r"(\d+)", key)
-    return (1, 0, tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in parts))
+    parts = re.split(r"([0-9]+)", key)  # ASCII digits only: '²'.isdigit() but int('²') fails
+    return (1, 0, tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)))
 
 
 def closest(wanted: str, candidates: Iterable[str], limit: int = 3) -> list[str]:

@@ -23,16 +23,21 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"treecli {version('treecli')}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the version and exit."),
 ) -> None:
-    if version:
-        from importlib.metadata import version as dist_version
-
-        typer.echo(f"treecli {dist_version('treecli')}")
-        raise typer.Exit(0)
+    """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit."""
 
 
 app.command()(show)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+from pathlib import Path
 from typing import Any
 
 
-def complete_keypaths(ctx: Any, incomplete: str) -> list[str]:
+def complete_keypaths(ctx: Any, args: list[str], incomplete: str) -> list[str]:
     """Key paths (inner nodes and leaves) of the checkpoint named on the command line."""
-    path = ctx.params.get("checkpoint")
-    if not path:
-        inputs = ctx.params.get("checkpoints") or []
-        path = inputs[0] if inputs else None
+    # While completing `--where <TAB>`, Click's resilient parse stops at the
+    # dangling option and fills neither ctx.params nor args, so the checkpoint
+    # is the first word of the shell's command line that names a file.
+    words = args or shlex.split(os.environ.get("_TYPER_COMPLETE_ARGS") or os.environ.get("COMP_WORDS") or "")
+    path = ctx.params.get("checkpoint") or next(
+        (word for word in words[1:] if not word.startswith("-") and Path(word).exists()), None
+    )
     if not path:
         return []
     try:

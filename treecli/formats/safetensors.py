@@ -280,13 +280,14 @@ def _open_index(index_path: Path) -> Checkpoint:
         if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or Path(shard).is_absolute():
             raise FormatError(f"weight_map names shard {shard!r}, which leaves the checkpoint directory", file=file, keypath=name)
     shards = list(dict.fromkeys(weight_map.values()))
+    for shard in shards:
+        if not (directory / shard).is_file():
+            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
     checkpoint = Checkpoint(tree=None, format="safetensors", file=file)
     items: list[tuple[str, Any]] = []
     owner: dict[str, str] = {}
     for shard in shards:
         shard_path = directory / shard
-        if not shard_path.is_file():
-            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
         try:
             tensors, metadata, _ = read_header(shard_path)
         except TreecliError as e:

@@ -1,0 +1,1 @@
+complete --command treecli --no-files --arguments "(env _TREECLI_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) treecli)" --condition "env _TREECLI_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) treecli"

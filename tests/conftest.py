@@ -1,0 +1,134 @@
+"""Shared fixtures: checkpoints built by the reference libraries, and an
+in-process runner for the CLI that goes through its real error boundary."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from treecli.cli import main
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def run_cli(*args: str | Path) -> Result:
+    """Run ``treecli ARGS`` in-process through ``main`` (the error boundary)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+def assert_clean_error(result: Result, *fragments: str) -> None:
+    """Oracle E: exit 2, one `treecli: error: ...` line first, no traceback."""
+    assert result.code == 2, (result.code, result.stderr)
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("treecli: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in first, (fragment, first)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
+    """Names, sizes and hashes of every file under a directory (oracles N and U)."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(directory))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def raw_safetensors(header: dict | bytes | str, data: bytes = b"", header_len: int | None = None) -> bytes:
+    """Hand-built safetensors bytes (for malformed files)."""
+    if isinstance(header, dict):
+        header = json.dumps(header)
+    if isinstance(header, str):
+        header = header.encode()
+    n = len(header) if header_len is None else header_len
+    return struct.pack("<Q", n) + header + data
+
+
+def mixed_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """A small model with the dtypes users have: bf16, fp16, fp32, fp8, ints, bool, 0-d, zero-size."""
+    rng = np.random.default_rng(seed)
+    return {
+        "model.embed.weight": rng.standard_normal((10, 4)).astype(BF16),
+        "model.layers.0.attn.q.weight": rng.standard_normal((4, 4)).astype(np.float32),
+        "model.layers.0.attn.q.bias": rng.standard_normal(4).astype(np.float16),
+        "model.layers.1.attn.q.weight": rng.standard_normal((4, 4)).astype(np.float32),
+        "model.layers.1.attn.q.bias": rng.standard_normal(4).astype(np.float16),
+        "model.layers.10.attn.q.weight": rng.standard_normal((4, 4)).astype(np.float32),
+        "model.layers.10.attn.q.bias": rng.standard_normal(4).astype(np.float16),
+        "model.fp8": rng.standard_normal(6).astype(ml_dtypes.float8_e4m3fn),
+        "model.fp8b": rng.standard_normal(5).astype(ml_dtypes.float8_e5m2),
+        "model.int8": rng.integers(-128, 127, 7).astype(np.int8),
+        "model.mask": rng.integers(0, 2, (2, 3)).astype(bool),
+        "step": np.asarray(2**40 + 3, np.int64),
+        "empty": np.zeros((2, 0), np.float32),
+    }
+
+
+@pytest.fixture
+def mixed_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    tensors = mixed_tensors()
+    path = tmp_path / "mixed.safetensors"
+    save_file(tensors, str(path), metadata={"format": "np", "note": "made by the reference library"})
+    return path, tensors
+
+
+@pytest.fixture
+def sharded_dir(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """An HF-style sharded directory made with the reference writer, plus a config.json."""
+    tensors = mixed_tensors(1)
+    directory = tmp_path / "sharded"
+    directory.mkdir()
+    names = sorted(tensors)
+    shards = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        shard_name = f"model-0000{i}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in shard}, str(directory / shard_name), metadata={"format": "pt"})
+        weight_map.update({k: shard_name for k in shard})
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text('{"model_type": "tiny"}')
+    return directory, tensors
+
+
+def bits(array: np.ndarray) -> bytes:
+    """Bytes of an array for bit-exact comparisons (NaN payloads, -0.0 included)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).tobytes()
+
+
+@pytest.fixture(autouse=True)
+def _no_color(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    os.umask(0o022)

@@ -1,0 +1,61 @@
+"""Start-up is a tested property: --help, completion and show of safetensors
+never import jax or orbax. Completion scripts are generated from the app."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+HEAVY = ("jax", "jaxlib", "orbax", "tensorstore")
+
+
+def _modules_after(code: str, env: dict | None = None) -> set[str]:
+    script = code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)), file=sys.stderr)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
+    return set(json.loads(result.stderr.strip().splitlines()[-1]))
+
+
+def _heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in HEAVY)
+
+
+def test_import_and_help_do_not_load_jax_orbax_or_numpy():
+    modules = _modules_after(
+        "from treecli.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    assert _heavy(modules) == []
+    assert "numpy" not in modules
+
+
+def test_show_of_safetensors_does_not_load_jax_or_orbax():
+    modules = _modules_after(f"from treecli.cli import main\nmain(['show', {str(ROOT / 'examples/tiny.safetensors')!r}])")
+    assert "treecli.formats.safetensors" in modules
+    assert _heavy(modules) == []
+
+
+def test_keypath_completion_reads_the_header_without_jax():
+    env = {"_TREECLI_COMPLETE": "complete_bash", "COMP_WORDS": "treecli show examples/tiny.safetensors --where model.l",
+           "COMP_CWORD": "4"}
+    result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, **env})
+    assert result.stdout.split()[:2] == ["model.layers", "model.layers.0"]
+    modules = _modules_after("from treecli.cli import main\nmain([])", env)
+    assert _heavy(modules) == []
+
+
+@pytest.mark.parametrize("shell, name", [("bash", "treecli.bash"), ("zsh", "_treecli"), ("fish", "treecli.fish")])
+def test_completion_scripts_are_up_to_date(shell, name):
+    result = subprocess.run([sys.executable, "-m", "treecli", "--show-completion", shell], capture_output=True,
+                            text=True, env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
+    assert result.returncode == 0, result.stderr
+    committed = (ROOT / "completions" / name).read_text()
+    assert result.stdout == committed, f"completions/{name} is stale: run `bash completions/generate.sh`"
+
+
+def test_the_console_script_and_module_entry_points_work():
+    result = subprocess.run([sys.executable, "-m", "treecli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("treecli ")

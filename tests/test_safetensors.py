@@ -1,0 +1,316 @@
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import deserialize, safe_open
+from safetensors.numpy import save_file
+
+import treecli
+from treecli import _tree
+from treecli._errors import FormatError, TreecliError
+from treecli._keypath import format_keypath
+
+from .conftest import BF16, bits, mixed_tensors, raw_safetensors
+
+
+def flat_leaves(tree):
+    return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree)}
+
+
+def test_reads_every_dtype_bit_exactly_like_the_reference(mixed_file):
+    path, tensors = mixed_file
+    with treecli.open(path) as ckpt:
+        leaves = flat_leaves(ckpt.tree)
+        assert ckpt.metadata == {"format": "np", "note": "made by the reference library"}
+        assert set(leaves) == set(tensors)
+        for name, expected in tensors.items():
+            got = leaves[name].read()
+            assert got.dtype == expected.dtype and got.shape == expected.shape, name
+            assert bits(got) == bits(expected), name
+
+
+def test_reads_the_corpus_dtype_zoo_like_deserialize():
+    from pathlib import Path
+
+    path = Path(__file__).parents[1].parent / "shared/corpus/safetensors/dtype_zoo_with_metadata.safetensors"
+    if not path.exists():
+        pytest.skip("shared corpus not present")
+    reference = {name: info for name, info in deserialize(path.read_bytes())}
+    leaves = flat_leaves(treecli.load(path))
+    assert set(leaves) == set(reference)
+    for name, info in reference.items():
+        assert list(leaves[name].shape) == info["shape"]
+        assert bits(leaves[name].read()) == bytes(info["data"]), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_read_index_equals_numpy_indexing(tmp_path_factory, data):
+    shape = tuple(data.draw(st.lists(st.integers(0, 6), min_size=0, max_size=4)))
+    array = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape).astype(BF16)
+    path = tmp_path_factory.mktemp("idx") / "a.safetensors"
+    save_file({"a": array}, str(path))
+    index = []
+    for dim in shape:
+        kind = data.draw(st.sampled_from(["int", "slice", "full", "none"]))
+        if kind == "int" and dim:
+            index.append(data.draw(st.integers(-dim, dim - 1)))
+        elif kind == "slice":
+            step = data.draw(st.sampled_from([None, 1, 2, 3, -1, -2]))
+            index.append(slice(data.draw(st.one_of(st.none(), st.integers(-8, 8))),
+                               data.draw(st.one_of(st.none(), st.integers(-8, 8))), step))
+        elif kind == "none":
+            index.append(None)
+            index.append(slice(None))
+        else:
+            index.append(slice(None))
+    if index and data.draw(st.booleans()):
+        index = [Ellipsis] + index[len(index) // 2:]
+    index = tuple(index)
+    leaf = treecli.load(path)["a"]
+    got = leaf.read(index)
+    expected = array[index]
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert bits(got) == bits(np.ascontiguousarray(expected))
+
+
+def test_read_index_touches_only_the_bytes_of_the_rows_it_needs(tmp_path):
+    array = np.arange(8 * 256 * 256, dtype=np.float32).reshape(8, 256, 256)
+    path = tmp_path / "stack.safetensors"
+    save_file({"w": array}, str(path))
+    leaf = treecli.load(path)["w"]
+    assert np.array_equal(leaf.read((3,)), array[3])
+    assert leaf.reader.bytes_read == 256 * 256 * 4
+    assert np.array_equal(leaf.read((slice(None), 0, slice(0, 8))), array[:, 0, :8])
+
+
+# --- malformed files: each gets its own clear error -----------------------------------------
+
+
+def _entry(dtype="F32", shape=(1,), offsets=(0, 4)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+BAD_FILES = {
+    "header_len_past_eof": (raw_safetensors({"a": _entry()}, b"\0" * 4, header_len=1000), "truncated"),
+    "header_len_huge": (raw_safetensors({"a": _entry()}, b"\0" * 4, header_len=2**63), "exceeds"),
+    "data_short": (raw_safetensors({"a": _entry(offsets=(0, 4))}, b"\0" * 3), "truncated"),
+    "trailing_bytes": (raw_safetensors({"a": _entry()}, b"\0" * 4 + b"extra_bogus_data_for_polyglot_file"), "trailing"),
+    "overlap": (raw_safetensors({"a": _entry(), "b": _entry()}, b"\0" * 4), "overlaps"),
+    "gap": (raw_safetensors({"a": _entry(), "b": _entry(offsets=(8, 12))}, b"\0" * 12), "gap"),
+    "end_before_begin": (raw_safetensors({"a": _entry(offsets=(4, 0))}, b"\0" * 4), "data_offsets"),
+    "negative": (raw_safetensors({"a": _entry(offsets=(-4, 0))}, b""), "data_offsets"),
+    "float_offset": (raw_safetensors('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0.0,4]}}', b"\0" * 4),
+                     "data_offsets"),
+    "size_mismatch": (raw_safetensors({"a": _entry(shape=(2,))}, b"\0" * 4), "needs 8"),
+    "size_overflow": (raw_safetensors({"a": _entry(shape=(2, 18446744073709551614), offsets=(0, 16))}, b"\0" * 16),
+                      "needs"),
+    "duplicate_key": (raw_safetensors('{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+                                      '"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+                      "duplicate key 'w'"),
+    "not_utf8": (raw_safetensors(b'{"\xff":1}'), "UTF-8"),
+    "not_object": (raw_safetensors("[1, 2]"), "not an object"),
+    "nan_literal": (raw_safetensors('{"a": NaN}'), "NaN"),
+    "deep_nesting": (raw_safetensors("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    "unknown_dtype": (raw_safetensors({"a": _entry(dtype="F128")}, b"\0" * 4), "unknown dtype"),
+    "metadata_not_str": (raw_safetensors({"__metadata__": {"a": 1}}), "__metadata__"),
+    "missing_shape": (raw_safetensors({"a": {"dtype": "F32", "data_offsets": [0, 4]}}, b"\0" * 4), "'shape'"),
+    "bad_shape": (raw_safetensors({"a": _entry(shape=(-1,))}, b"\0" * 4), "shape"),
+    "bool_shape": (raw_safetensors('{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', b"\0" * 4), "shape"),
+    "bom": (raw_safetensors(b"\xef\xbb\xbf{}"), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_malformed_headers_are_format_errors(tmp_path, name):
+    content, fragment = BAD_FILES[name]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(FormatError) as info:
+        treecli.load(path)
+    assert fragment in str(info.value)
+    assert str(path) in str(info.value)
+    # Never more permissive than the reference (which is last-wins on duplicates: we refuse).
+    if name != "duplicate_key":
+        with pytest.raises(Exception):
+            deserialize(content)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        raw_safetensors("  " + json.dumps({"a": _entry()}) + "   ", b"\0" * 4),  # padded header
+        raw_safetensors({"b": _entry(offsets=(4, 8)), "a": _entry()}, b"\0" * 8),  # out of order, contiguous
+        raw_safetensors({}),  # no tensors
+        raw_safetensors({"a": _entry(shape=(2, 0), offsets=(0, 0)), "s": _entry(shape=())}, b"\0" * 4),
+    ],
+)
+def test_valid_edge_cases_load_like_the_reference(tmp_path, content):
+    path = tmp_path / "ok.safetensors"
+    path.write_bytes(content)
+    leaves = flat_leaves(treecli.load(path))
+    reference = dict(deserialize(content))
+    assert set(leaves) == set(reference) - {""} or not reference
+    for name, info in reference.items():
+        assert bits(leaves[name].read()) == bytes(info["data"])
+
+
+# --- sharded checkpoints --------------------------------------------------------------------
+
+
+def test_sharded_directory_and_index_file_open_as_one_tree(sharded_dir):
+    directory, tensors = sharded_dir
+    for target in (directory, directory / "model.safetensors.index.json"):
+        with treecli.open(target) as ckpt:
+            leaves = flat_leaves(ckpt.tree)
+            assert set(leaves) == set(tensors)
+            assert all(bits(leaves[k].read()) == bits(v) for k, v in tensors.items())
+            assert [p.name for p in ckpt.companions] == ["config.json"]
+
+
+def _rewrite_index(directory, change):
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    change(index["weight_map"])
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda wm: wm.update({"model.embed.weight": "model-00009-of-00009.safetensors"}), "missing"),
+        (lambda wm: wm.update({"ghost": "model-00001-of-00002.safetensors"}), "does not hold it"),
+        (lambda wm: wm.update({"model.embed.weight": "../x.safetensors"}), "leaves the checkpoint directory"),
+        (lambda wm: wm.update({"model.embed.weight": "/etc/passwd"}), "leaves the checkpoint directory"),
+    ],
+)
+def test_inconsistent_shard_indexes_are_errors(sharded_dir, change, fragment):
+    directory, _ = sharded_dir
+    _rewrite_index(directory, change)
+    with pytest.raises(FormatError) as info:
+        treecli.load(directory)
+    assert fragment in str(info.value)
+
+
+def test_a_tensor_in_two_shards_is_an_error(sharded_dir):
+    directory, tensors = sharded_dir
+    first = directory / "model-00001-of-00002.safetensors"
+    second = directory / "model-00002-of-00002.safetensors"
+    with safe_open(str(first), "np") as f:
+        name = next(iter(f.keys()))
+    extra = {name: np.zeros(1, np.float32)}
+    with safe_open(str(second), "np") as f:
+        keys = list(f.keys())
+    content = {k: tensors[k] for k in keys}
+    content.update(extra)
+    save_file(content, str(second))
+    with pytest.raises(FormatError, match="two shards|maps it to"):
+        treecli.load(directory)
+
+
+def test_a_stray_shard_is_ignored_with_a_warning(sharded_dir):
+    directory, tensors = sharded_dir
+    save_file({"x": np.zeros(1, np.float32)}, str(directory / "stray.safetensors"))
+    with treecli.open(directory) as ckpt:
+        assert set(flat_leaves(ckpt.tree)) == set(tensors)
+        assert any("stray.safetensors" in w for w in ckpt.warnings)
+
+
+def test_keys_that_cannot_nest_open_flat_with_a_warning(tmp_path):
+    path = tmp_path / "flat.safetensors"
+    save_file({"a": np.zeros(1, np.float32), "a.b": np.ones(1, np.float32)}, str(path))
+    with treecli.open(path) as ckpt:
+        assert set(ckpt.tree) == {"a", "a.b"}
+        assert "cannot nest" in ckpt.warnings[0]
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def test_written_files_read_back_bit_exactly_with_the_reference(mixed_file, tmp_path):
+    path, tensors = mixed_file
+    out = tmp_path / "out.safetensors"
+    with treecli.open(path) as ckpt:
+        treecli.save(ckpt.tree, out, metadata=ckpt.metadata)
+    reference = dict(deserialize(out.read_bytes()))
+    assert set(reference) == set(tensors)
+    for name, array in tensors.items():
+        assert bytes(reference[name]["data"]) == bits(array), name
+        assert reference[name]["shape"] == list(array.shape)
+    with safe_open(str(out), "np") as f:
+        assert f.metadata() == {"format": "np", "note": "made by the reference library"}
+
+
+def test_two_saves_give_identical_bytes(mixed_file, tmp_path):
+    path, _ = mixed_file
+    tree = treecli.load(path)
+    treecli.save(tree, tmp_path / "a.safetensors")
+    treecli.save(tree, tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_numpy_trees_save_with_keys_joined_by_dots(tmp_path):
+    tree = {"params": {"dense": {"kernel": np.ones((2, 3), BF16)}}, "layers": [np.zeros(2, np.int64)]}
+    out = treecli.save(tree, tmp_path / "t.safetensors")
+    assert {name for name, _ in deserialize(out.read_bytes())} == {"params.dense.kernel", "layers.0"}
+
+
+def test_unsupported_leaves_are_listed_not_dropped(tmp_path):
+    tree = {"w": np.ones(2, np.float32), "step": 3, "none": None, "name": "x"}
+    with pytest.raises(TreecliError) as info:
+        treecli.save(tree, tmp_path / "t.safetensors")
+    assert "cannot hold 3 leaves" in str(info.value)
+    assert sorted(info.value.details) == ["name (str)", "none (None)", "step (int)"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_key_holding_the_separator_cannot_be_flattened(tmp_path):
+    with pytest.raises(TreecliError, match="contains '.'"):
+        treecli.save({"a": {"b.c": np.ones(1, np.float32)}}, tmp_path / "t.safetensors")
+
+
+def test_sharded_output_splits_by_size_and_writes_the_index_last(tmp_path):
+    from treecli.formats import WriteOptions, save
+
+    tree = {f"layer{i}": np.full(1000, i, np.float32) for i in range(5)}  # 4000 bytes each
+    out = tmp_path / "out"
+    save(tree, out, format="safetensors", options=WriteOptions(max_shard_size=9000))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                     "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 20000
+    back = flat_leaves(treecli.load(out))
+    assert all(np.array_equal(back[k].read(), v) for k, v in tree.items())
+
+
+def test_resaving_a_smaller_tree_leaves_no_stale_shard(tmp_path):
+    from treecli.formats import WriteOptions, save
+
+    out = tmp_path / "out"
+    big = {f"l{i}": np.zeros(1000, np.float32) for i in range(4)}
+    save(big, out, format="safetensors", options=WriteOptions(max_shard_size=4000))
+    assert len(list(out.glob("*.safetensors"))) == 4
+    small = {"l0": np.zeros(1000, np.float32)}
+    save(small, out, format="safetensors", options=WriteOptions(max_shard_size=4000), force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treecli-tmp")]
+
+
+def test_fp8_and_bool_survive_a_round_trip(tmp_path):
+    tree = {"f8": np.array([0.5, -2, 448], ml_dtypes.float8_e4m3fn), "b": np.array([True, False])}
+    out = treecli.save(tree, tmp_path / "t.safetensors")
+    back = treecli.load(out)
+    assert back["f8"].read().dtype == ml_dtypes.float8_e4m3fn
+    assert bits(back["f8"].read()) == bits(tree["f8"])
+    assert back["b"].read().tolist() == [True, False]
+
+
+def test_header_is_padded_to_eight_bytes(tmp_path):
+    out = treecli.save({"a": np.ones(3, np.int8)}, tmp_path / "t.safetensors")
+    (n,) = struct.unpack("<Q", out.read_bytes()[:8])
+    assert n % 8 == 0

@@ -1,0 +1,130 @@
+import json
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from .conftest import assert_clean_error, raw_safetensors
+
+
+def test_show_prints_the_nested_tree_in_natural_order_with_totals(cli, mixed_file):
+    path, _ = mixed_file
+    result = cli("show", path)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{path}  safetensors · 13 arrays")
+    names = [line.split()[0] for line in lines if line.startswith("    ") and line.split()[0].isdigit()]
+    assert names == ["0", "1", "10"]  # natural order: 2 before 10
+    row = next(line for line in lines if line.strip().startswith("weight") and "[10, 4]" in line)
+    assert row.split()[1:] == ["[10,", "4]", "bfloat16", "40", "80", "B"]
+    layers = next(line for line in lines if line.strip().startswith("layers"))
+    assert layers.split()[1:3] == ["6", "leaves"]
+    # totals by dtype, then the file's __metadata__
+    assert any(line.split()[:2] == ["bfloat16", "1"] for line in lines)
+    assert any(line.split()[:2] == ["note", "made"] for line in lines)
+    assert "\x1b[" not in result.stdout and "├" not in result.stdout  # plain when not a TTY
+
+
+def test_show_json_follows_the_documented_schema(cli, mixed_file):
+    path, tensors = mixed_file
+    document = cli("show", path, "--json").json
+    assert document["format"] == "safetensors"
+    assert document["file"] == str(path)
+    assert document["metadata"] == {"format": "np", "note": "made by the reference library"}
+    assert document["num_leaves"] == len(tensors)
+    assert document["total_params"] == sum(a.size for a in tensors.values())
+    assert document["total_bytes"] == sum(a.nbytes for a in tensors.values())
+    by_path = {leaf["keypath"]: leaf for leaf in document["leaves"]}
+    assert by_path["model.embed.weight"] == {"keypath": "model.embed.weight", "shape": [10, 4],
+                                             "dtype": "bfloat16", "nbytes": 80}
+    assert by_path["model.fp8"]["dtype"] == "float8_e4m3fn"
+    assert by_path["step"]["shape"] == []
+    keypaths = [leaf["keypath"] for leaf in document["leaves"]]
+    assert keypaths.index("model.layers.1.attn.q.bias") < keypaths.index("model.layers.10.attn.q.bias")
+
+
+def test_where_depth_and_flat(cli, mixed_file):
+    path, _ = mixed_file
+    where = cli("show", path, "--where", "model.layers.*.attn.q.bias", "--json").json
+    assert [leaf["keypath"] for leaf in where["leaves"]] == [
+        "model.layers.0.attn.q.bias", "model.layers.1.attn.q.bias", "model.layers.10.attn.q.bias"]
+    folded = cli("show", path, "--depth", "1").stdout
+    assert "layers" not in folded and "model" in folded
+    flat = cli("show", path, "--flat", "--where", "**.bias").stdout.splitlines()
+    rows = [line.split()[0] for line in flat[3:6]]
+    assert rows == ["model.layers.0.attn.q.bias", "model.layers.1.attn.q.bias", "model.layers.10.attn.q.bias"]
+
+
+def test_where_that_matches_nothing_names_the_closest_key_paths(cli, mixed_file):
+    path, _ = mixed_file
+    result = cli("show", path, "--where", "model.embd")
+    assert_clean_error(result, "model.embd", "matches nothing", "closest: model.embed")
+
+
+def test_stats_reads_the_data_once_and_counts_nan_inf_zeros(cli, tmp_path):
+    path = tmp_path / "s.safetensors"
+    save_file({"w": np.array([1.0, 2.0, np.nan, np.inf, 0.0, 3.0], np.float32)}, str(path))
+    leaf = cli("show", path, "--stats", "--json").json["leaves"][0]
+    assert leaf["stats"] == {"count": 6, "nan": 1, "inf": 1, "zeros": 1, "min": 0.0, "max": 3.0,
+                             "mean": 1.5, "std": float(np.std([1.0, 2.0, 0.0, 3.0]))}
+    table = cli("show", path, "--stats", "--flat").stdout
+    assert "nan" in table.splitlines()[2] and "1.5" in table
+
+
+def test_sharded_directory_shows_as_one_tree(cli, sharded_dir):
+    directory, tensors = sharded_dir
+    document = cli("show", directory, "--json").json
+    assert document["num_leaves"] == len(tensors)
+
+
+def test_bad_files_get_one_clear_line_each(cli, tmp_path):
+    cases = {
+        "missing.safetensors": (None, "no such file"),
+        "empty.safetensors": (b"", "empty"),
+        "lfs.safetensors": (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n", "Git LFS pointer"),
+        "page.safetensors": (b"<!DOCTYPE html><html><body>Sign in</body></html>", "HTML"),
+        "short.safetensors": (raw_safetensors({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+                              "truncated: its header declares tensor data through byte"),
+        "pickle.pt": (b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94.", "pickle"),
+        "notes.txt": (b"hello", "not a checkpoint"),
+    }
+    for name, (content, fragment) in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        result = cli("show", path)
+        assert_clean_error(result, str(path), fragment)
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stdout == ""
+
+
+def test_a_directory_that_is_no_checkpoint(cli, tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    assert_clean_error(cli("show", tmp_path), str(tmp_path), "not a checkpoint")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "empty.safetensors"
+    path.write_bytes(b"")
+    result = subprocess.run([sys.executable, "-m", "treecli", "--debug", "show", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_usage_errors_use_the_same_one_line_form(cli, mixed_file):
+    path, _ = mixed_file
+    result = cli("show", path, "--depth", "zero")
+    assert_clean_error(result, "--depth")
+    assert_clean_error(cli("show"), "Missing argument")
+
+
+def test_show_of_the_bundled_example(cli):
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "tiny.safetensors"
+    document = cli("show", example, "--json").json
+    assert document["num_leaves"] == 19
+    assert {leaf["dtype"] for leaf in document["leaves"]} == {"bfloat16", "float32", "float16", "int64"}
+    assert json.loads(json.dumps(document)) == document
