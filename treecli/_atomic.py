@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -43,7 +42,7 @@ def fsync_file(path: Path) -> None:
 
 
 def _temp_name(target: Path) -> Path:
-    return target.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{target.name}"
+    return target.parent / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}-{target.name}"
 
 
 def remove_stale_temporaries(directory: Path) -> None:

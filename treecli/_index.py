@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
-
 from treecli._errors import UsageError
 
 Index = tuple  # tuple[int | slice | EllipsisType | None, ...]
@@ -85,6 +83,8 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     Raises:
         IndexError: as NumPy would (out of range, too many indices).
     """
+    import numpy as np
+
     # A zero-stride view costs nothing whatever the shape; NumPy does the rest.
     ghost = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=shape, strides=(0,) * len(shape))
     return ghost[index].shape

@@ -2,7 +2,8 @@
 
 Every array leaf in a treecli tree is an :class:`ArrayLeaf`:
 
-- ``shape``, ``dtype``, ``nbytes`` come from metadata alone;
+- ``shape``, ``dtype_name``, ``nbytes`` come from metadata alone (no NumPy
+  import: ``show`` stays fast); ``dtype`` is the NumPy dtype, made on use;
 - ``read_flat(start, stop)`` returns elements ``[start, stop)`` of the leaf in
   C order, as a 1-d array — the *chunk* protocol writers and operations use,
   so that peak memory is a few chunks whatever the leaf size;
@@ -18,8 +19,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from treecli import _dtypes
 
 # A chunk is this many bytes of a leaf (rounded to whole elements). Small
@@ -32,7 +31,15 @@ class ArrayLeaf:
     """Base class: a lazily-read or computed array of known shape and dtype."""
 
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype_name: str
+
+    @property
+    def dtype(self):
+        return _dtypes.numpy_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return _dtypes.itemsize(self.dtype_name)
 
     @property
     def ndim(self) -> int:
@@ -44,21 +51,22 @@ class ArrayLeaf:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return self.size * self.itemsize
 
-    def read_flat(self, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` in C order, as a 1-d array."""
+    def read_flat(self, start: int, stop: int):
+        """Elements ``[start, stop)`` in C order, as a 1-d NumPy array."""
         raise NotImplementedError
 
-    def read(self, index: Any = ()) -> np.ndarray:
+    def read(self, index: Any = ()):
         """``self[index]`` for a NumPy basic index; the default reads the whole leaf."""
+        import numpy as np
+
         whole = self.read_flat(0, self.size).reshape(self.shape)
-        result = whole[index]
-        return np.array(result, copy=True) if isinstance(result, np.ndarray) else np.asarray(result)
+        return np.array(whole[index], copy=True)
 
     def chunk_ranges(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
         """``(start, stop)`` element ranges that cover the leaf in order."""
-        step = max(1, chunk_bytes // max(1, self.dtype.itemsize))
+        step = max(1, chunk_bytes // max(1, self.itemsize))
         for start in range(0, self.size, step):
             yield start, min(self.size, start + step)
 
@@ -67,28 +75,35 @@ class ArrayLeaf:
         return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(shape={self.shape}, dtype={_dtypes.name(self.dtype)})"
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype_name})"
 
 
 class InMemoryLeaf(ArrayLeaf):
-    """An array already in memory (NumPy, or anything with ``__array__``)."""
+    """An array already in memory (NumPy, JAX, or anything with ``__array__``)."""
 
     def __init__(self, array: Any):
         self._source = array
         self.shape = tuple(int(d) for d in array.shape)
-        self.dtype = np.dtype(array.dtype)
-        self._array: np.ndarray | None = None
+        self.dtype_name = _dtypes.name(array.dtype)
+        self._array = None
 
-    def array(self) -> np.ndarray:
+    def array(self):
         if self._array is None:
+            import numpy as np
+
+            array = np.asarray(self._source)
+            if array.dtype.byteorder == ">":  # values kept, stored little-endian like every format
+                array = array.astype(array.dtype.newbyteorder("="))
             # C order once, so that flat chunks are views, not copies.
-            self._array = np.ascontiguousarray(np.asarray(self._source))
+            self._array = np.ascontiguousarray(array)
         return self._array
 
-    def read_flat(self, start: int, stop: int) -> np.ndarray:
+    def read_flat(self, start: int, stop: int):
         return self.array().reshape(-1)[start:stop]
 
-    def read(self, index: Any = ()) -> np.ndarray:
+    def read(self, index: Any = ()):
+        import numpy as np
+
         return np.array(self.array()[index], copy=True)
 
 
@@ -103,34 +118,30 @@ class ComputedLeaf(ArrayLeaf):
         self,
         shape: tuple[int, ...],
         dtype: Any,
-        compute: Callable[[int, int], np.ndarray],
-        compute_index: Callable[[Any], np.ndarray] | None = None,
+        compute: Callable[[int, int], Any],
+        compute_index: Callable[[Any], Any] | None = None,
     ):
         self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype_name = _dtypes.name(dtype)
         self._compute = compute
         self._compute_index = compute_index
 
-    def read_flat(self, start: int, stop: int) -> np.ndarray:
+    def read_flat(self, start: int, stop: int):
         return self._compute(start, stop)
 
-    def read(self, index: Any = ()) -> np.ndarray:
-        if self._compute_index is not None and index == ():
-            return self._compute_index(())
+    def read(self, index: Any = ()):
+        if self._compute_index is not None:
+            return self._compute_index(index)
         return super().read(index)
 
 
 def is_array(value: Any) -> bool:
     """Whether a tree leaf is an array (lazy, NumPy, JAX, or array-like with shape and dtype)."""
-    if isinstance(value, (ArrayLeaf, np.ndarray, np.generic)):
+    if isinstance(value, ArrayLeaf):
         return True
     return hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 def as_leaf(value: Any) -> ArrayLeaf:
     """Wrap an array-like value as an :class:`ArrayLeaf` (lazy leaves pass through)."""
-    if isinstance(value, ArrayLeaf):
-        return value
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    return InMemoryLeaf(value)
+    return value if isinstance(value, ArrayLeaf) else InMemoryLeaf(value)

@@ -1,22 +1,22 @@
-"""Rich renderables for ``show`` and the JSON form. No I/O: callers print.
+"""What ``show`` prints: lines of styled cells, and the JSON form. No I/O.
 
-Every user string (key paths contain ``[``) goes into ``Text`` objects, never
-through Rich markup. In plain mode (not a TTY, ``NO_COLOR``) the tree is
-indented with spaces instead of box-drawing guides.
+Tables are laid out here rather than with ``rich.table.Table``: for a 70B
+checkpoint (~3,000 rows) Rich's table layout alone took over a second, ten
+times the whole budget of ``show``. A *line* is a list of ``(text, style)``
+segments; the output object prints them plain (pipes) or styled (terminals).
+User strings are never parsed as Rich markup (key paths contain ``[``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rich import box
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
-
 from treecli import _summary
 from treecli._keypath import format_key
 from treecli._summary import Node
+
+Segment = tuple[str, str]  # (text, Rich style)
+Line = list[Segment]
 
 
 def human_bytes(n: int) -> str:
@@ -43,6 +43,29 @@ def human_count(n: int) -> str:
     raise AssertionError
 
 
+def table(header: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> list[Line]:
+    """Lay out rows of cells in aligned columns. A cell is a str or a list of segments."""
+    all_rows = [[[(h, "bold")] for h in header]]
+    all_rows += [[[(c, "")] if isinstance(c, str) else c for c in row] for row in rows]
+    lengths = [[sum(len(t) for t, _ in cell) for cell in row] for row in all_rows]
+    widths = [max(row[i] for row in lengths) for i in range(len(header))]
+    lines = []
+    for row, row_lengths in zip(all_rows, lengths):
+        line: Line = []
+        for i, (cell, length) in enumerate(zip(row, row_lengths)):
+            pad = (" " * (widths[i] - length), "")
+            if i:
+                line.append(("  ", ""))
+            if i in right:
+                line.append(pad)
+                line.extend(cell)
+            else:
+                line.extend(cell)
+                line.append(pad)
+        lines.append(line)
+    return lines
+
+
 def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -62,40 +85,31 @@ def _stat(value: Any) -> str:
     return str(value)
 
 
-_STAT_COLUMNS = ("min", "max", "mean", "std", "nan", "inf", "zeros")
+_COLUMNS = ["shape", "dtype", "params", "size"]
+_STAT_COLUMNS = ["min", "max", "mean", "std", "nan", "inf", "zeros"]
 
 
-def _table(plain: bool, first: str, stats: bool) -> Table:
-    table = Table(box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column(first, no_wrap=True, overflow="fold")
-    table.add_column("shape", no_wrap=True)
-    table.add_column("dtype", no_wrap=True)
-    table.add_column("params", justify="right", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    if stats:
-        for name in _STAT_COLUMNS:
-            table.add_column(name, justify="right", no_wrap=True)
-    return table
-
-
-def _row_cells(node: Node, stats: bool) -> list[Any]:
+def _cells(node: Node, stats: bool) -> list[str]:
     if node.kind == "node":
         noun = "leaf" if node.num_leaves == 1 else "leaves"
         cells = [f"{node.num_leaves} {noun}", "", human_count(node.params), human_bytes(node.nbytes)]
     elif node.kind == "array":
         cells = [_shape(node.shape), node.dtype, human_count(node.params), human_bytes(node.nbytes)]
     else:
-        cells = [Text("= " + _value(node.value)), _summary.value_type(node.value), "", ""]
-    cells = [c if isinstance(c, Text) else Text(c) for c in cells]
+        cells = ["= " + _value(node.value), _summary.value_type(node.value), "", ""]
     if stats:
         s = node.stats or {}
-        cells += [Text(_stat(s.get(name)) if node.kind == "array" else "") for name in _STAT_COLUMNS]
+        cells += [_stat(s.get(name)) if node.kind == "array" else "" for name in _STAT_COLUMNS]
     return cells
 
 
-def tree_table(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> Table:
-    """The tree of ``show``: one row per node, guides (or indentation) in the first column."""
-    table = _table(plain, "key", stats)
+def _right(stats: bool) -> set[int]:
+    return {3, 4} | ({5, 6, 7, 8, 9, 10, 11} if stats else set())
+
+
+def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> list[Line]:
+    """The tree of ``show``: one row per node, guides (or indentation) before the key."""
+    rows: list[list[Any]] = []
 
     def add(node: Node, prefix: str, last: bool, level: int) -> None:
         if plain:
@@ -103,73 +117,68 @@ def tree_table(root: Node, *, depth: int | None = None, stats: bool = False, pla
         else:
             lead = prefix + ("└── " if last else "├── ")
             child_prefix = prefix + ("    " if last else "│   ")
-        name = Text(lead, style="dim")
-        folded = node.kind == "node" and depth is not None and level >= depth
-        name.append(format_key(node.key), style="bold" if node.kind == "node" else "")
-        table.add_row(name, *_row_cells(node, stats))
-        if node.kind == "node" and not folded:
+        key = format_key(node.key)
+        rows.append([[(lead, "dim"), (key, "bold" if node.kind == "node" else "")], *_cells(node, stats)])
+        if node.kind == "node" and not (depth is not None and level >= depth):
             for i, child in enumerate(node.children):
                 add(child, child_prefix, i == len(node.children) - 1, level + 1)
 
     if root.kind != "node":
-        table.add_row(Text("<root>"), *_row_cells(root, stats))
+        rows.append(["<root>", *_cells(root, stats)])
     for i, child in enumerate(root.children):
         add(child, "", i == len(root.children) - 1, 1)
-    return table
+    return table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
 
 
-def flat_table(root: Node, *, stats: bool = False, plain: bool = False) -> Table:
+def flat_lines(root: Node, *, stats: bool = False) -> list[Line]:
     """``show --flat``: one row per leaf with its full key path."""
-    table = _table(plain, "key path", stats)
-    for node in _summary.leaves(root):
-        table.add_row(Text(node.text_keypath or "<root>"), *_row_cells(node, stats))
-    return table
+    rows = [[node.text_keypath or "<root>", *_cells(node, stats)] for node in _summary.leaves(root)]
+    return table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
 
 
-def dtype_table(root: Node, *, plain: bool = False) -> Table:
+def dtype_lines(root: Node) -> list[Line]:
     """Totals by dtype, for the bottom of ``show``."""
-    table = Table(box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    for name, justify in (("dtype", "left"), ("arrays", "right"), ("params", "right"), ("size", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)
-    rows = _summary.dtype_totals(root)
-    for dtype, count, params, nbytes in rows:
-        table.add_row(dtype, str(count), human_count(params), human_bytes(nbytes))
-    if len(rows) > 1:
-        table.add_row(Text("total", style="bold"), str(sum(r[1] for r in rows)),
-                      human_count(root.params), human_bytes(root.nbytes))
-    return table
+    totals = _summary.dtype_totals(root)
+    rows = [[dtype, str(count), human_count(params), human_bytes(nbytes)] for dtype, count, params, nbytes in totals]
+    if len(totals) > 1:
+        rows.append([[("total", "bold")], str(sum(r[1] for r in totals)), human_count(root.params),
+                     human_bytes(root.nbytes)])
+    return table(["dtype", "arrays", "params", "size"], rows, {1, 2, 3})
 
 
-def metadata_table(metadata: dict[str, Any], *, plain: bool = False) -> Table:
-    table = Table(box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("metadata", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    for key, value in metadata.items():
-        table.add_row(Text(str(key)), Text(value if isinstance(value, str) else repr(value)))
-    return table
+def metadata_lines(metadata: dict[str, Any]) -> list[Line]:
+    rows = [[str(k), v if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
+    return table(["metadata", "value"], rows)
 
 
-def headline(file: str, fmt: str, root: Node) -> Text:
+def headline(file: str, fmt: str, root: Node) -> Line:
     arrays = sum(1 for n in _summary.leaves(root) if n.kind == "array")
-    text = Text()
-    text.append(file, style="bold")
-    text.append(f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · {human_bytes(root.nbytes)}")
-    return text
+    return [(file, "bold"), (f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · "
+                             f"{human_bytes(root.nbytes)}", "")]
 
 
-def show_view(file: str, fmt: str, root: Node, metadata: dict[str, Any], *, flat: bool, depth: int | None,
-              stats: bool, plain: bool, extra: list[Any] = ()) -> Group:
+def info_lines(info: dict[str, Any]) -> list[Line]:
+    """Extra facts a format reports (the steps of a CheckpointManager root, ...), one per line."""
+    lines = []
+    for key, value in info.items():
+        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        lines.append([(f"{key}: ", "bold"), (shown, "")])
+    return lines
+
+
+def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
+               flat: bool, depth: int | None, stats: bool, plain: bool) -> list[Line]:
     """Everything ``show`` prints in human form."""
-    parts: list[Any] = [headline(file, fmt, root), *extra, Text("")]
+    lines = [headline(file, fmt, root), *info_lines(info), []]
     if flat:
-        parts.append(flat_table(root, stats=stats, plain=plain))
+        lines += flat_lines(root, stats=stats)
     else:
-        parts.append(tree_table(root, depth=depth, stats=stats, plain=plain))
+        lines += tree_lines(root, depth=depth, stats=stats, plain=plain)
     if root.num_leaves:
-        parts += [Text(""), dtype_table(root, plain=plain)]
+        lines += [[], *dtype_lines(root)]
     if metadata:
-        parts += [Text(""), metadata_table(metadata, plain=plain)]
-    return Group(*parts)
+        lines += [[], *metadata_lines(metadata)]
+    return lines
 
 
 def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict[str, Any]:
@@ -190,20 +199,9 @@ def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict
     return {
         "format": fmt,
         "file": file,
-        "metadata": {k: _summary.json_value(v) if not isinstance(v, (dict, list)) else v for k, v in metadata.items()},
+        "metadata": {k: v if isinstance(v, (dict, list)) else _summary.json_value(v) for k, v in metadata.items()},
         "num_leaves": root.num_leaves,
         "total_params": root.params,
         "total_bytes": root.nbytes,
         "leaves": out_leaves,
     }
-
-def info_text(info: dict[str, Any]) -> Text:
-    """Extra facts a format reports (the steps of a CheckpointManager root, ...), one per line."""
-    text = Text()
-    for i, (key, value) in enumerate(info.items()):
-        if i:
-            text.append("\n")
-        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-        text.append(f"{key}: ", style="bold")
-        text.append(shown)
-    return text

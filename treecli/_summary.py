@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from treecli import _dtypes, _keypath, _leaf, _tree
 from treecli._keypath import KeyPath, format_keypath
 
@@ -60,10 +58,10 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             return None
         if _leaf.is_array(node):
             shape = tuple(int(d) for d in node.shape)
-            dtype = np.dtype(node.dtype)
+            dtype = node.dtype_name if isinstance(node, _leaf.ArrayLeaf) else _dtypes.name(node.dtype)
             size = math.prod(shape)
-            return Node(key=key, keypath=keypath, kind="array", shape=shape, dtype=_dtypes.name(dtype),
-                        nbytes=size * dtype.itemsize, params=size, num_leaves=1)
+            return Node(key=key, keypath=keypath, kind="array", shape=shape, dtype=dtype,
+                        nbytes=size * _dtypes.itemsize(dtype), params=size, num_leaves=1)
         return Node(key=key, keypath=keypath, kind="value", value=node, num_leaves=1)
 
     return build(tree, ()) or Node(key=None, keypath=(), kind="node")
@@ -91,15 +89,23 @@ def dtype_totals(root: Node) -> list[tuple[str, int, int, int]]:
     return sorted(((d, *v) for d, v in totals.items()), key=lambda row: -row[3])
 
 
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar as the Python value (without importing NumPy)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
 def value_type(value: Any) -> str:
     """The JSON ``type`` of a non-array leaf."""
+    value = _python_scalar(value)
     if value is None:
         return "none"
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, bool):
         return "bool"
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, int):
         return "int"
-    if isinstance(value, (float, np.floating)):
+    if isinstance(value, float):
         return "float"
     if isinstance(value, str):
         return "str"
@@ -112,8 +118,7 @@ def value_type(value: Any) -> str:
 
 def json_value(value: Any) -> Any:
     """A non-array leaf's value for JSON: non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``."""
-    if isinstance(value, (np.generic,)):
-        value = value.item()
+    value = _python_scalar(value)
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, (dict, list, tuple)):
@@ -134,6 +139,8 @@ def add_stats(root: Node, tree: Any, progress: Callable[[int], None] | None = No
 
 def leaf_stats(leaf: _leaf.ArrayLeaf, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Statistics of one leaf, chunk by chunk (float64 accumulators; Chan's merge for the variance)."""
+    import numpy as np
+
     count = finite = nan = inf = zeros = 0
     lo, hi = math.inf, -math.inf
     mean = m2 = 0.0

@@ -21,21 +21,26 @@ class Output:
         no_color = bool(os.environ.get("NO_COLOR"))
         self.stdout = Console(file=sys.stdout, highlight=False, no_color=no_color, soft_wrap=False)
         self.plain = not self.stdout.is_terminal or no_color
-        if not self.stdout.is_terminal:
-            # Pipes get whole lines; Rich would otherwise crop tables to 80 columns.
-            self.stdout = Console(file=sys.stdout, highlight=False, no_color=True, width=4000,
-                                  color_system=None, soft_wrap=False)
         self.stderr = Console(file=sys.stderr, highlight=False, no_color=no_color, soft_wrap=True)
         self.quiet = quiet
 
     def print(self, renderable: Any) -> None:
-        if not self.plain:
-            self.stdout.print(renderable, markup=False)
+        self.stdout.print(renderable, markup=False)
+
+    def lines(self, lines: list[list[tuple[str, str]]]) -> None:
+        """Print lines of ``(text, style)`` segments: plain text for pipes, styled on a terminal."""
+        if self.plain:
+            sys.stdout.write("".join("".join(t for t, _ in line).rstrip() + "\n" for line in lines))
             return
-        # Plain text for pipes and files: no padding at line ends.
-        with self.stdout.capture() as captured:
-            self.stdout.print(renderable, markup=False)
-        sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+        from rich.text import Text
+
+        text = Text(no_wrap=True, overflow="ellipsis", end="\n")
+        for i, line in enumerate(lines):
+            if i:
+                text.append("\n")
+            for segment, style in line:
+                text.append(segment, style or None)
+        self.stdout.print(text, markup=False, crop=True)
 
     def json(self, document: Any) -> None:
         sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n")

@@ -47,11 +47,10 @@ def show(
         if stats:
             with out.progress("reading", root.nbytes) as advance:
                 _summary.add_stats(root, ckpt.tree, advance)
-        extra = [_render.info_text(ckpt.info)] if ckpt.info else []
         if json:
             document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata)
             document.update(ckpt.info)
             out.json(document)
         else:
-            out.print(_render.show_view(str(checkpoint), ckpt.format, root, ckpt.metadata, flat=flat,
-                                        depth=depth, stats=stats, plain=out.plain, extra=extra))
+            out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.info, flat=flat,
+                                         depth=depth, stats=stats, plain=out.plain))

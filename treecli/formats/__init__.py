@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from treecli import _atomic
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli.formats import _foreign
 from treecli.formats._base import Checkpoint, WriteOptions
@@ -110,6 +109,8 @@ def save(
             (without ``in_place``), or its directory is missing.
         TreecliError: the tree cannot be stored in the format.
     """
+    from treecli import _atomic
+
     target = Path(target)
     options = options or WriteOptions()
     fmt, is_dir = output_format(target, format, input_format)

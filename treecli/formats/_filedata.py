@@ -13,9 +13,7 @@ import os
 import threading
 from typing import Any
 
-import numpy as np
-
-from treecli import _index
+from treecli import _dtypes, _index
 from treecli._errors import FormatError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
 
@@ -36,9 +34,9 @@ class FileReader:
                     self._fd = os.open(self.path, os.O_RDONLY)
         return self._fd
 
-    def read_into(self, buffer: np.ndarray, offset: int) -> None:
-        """Fill a C-contiguous array with the bytes at ``offset``."""
-        view = memoryview(buffer.reshape(-1).view(np.uint8))
+    def read_into(self, buffer, offset: int) -> None:
+        """Fill a C-contiguous NumPy array with the bytes at ``offset``."""
+        view = memoryview(buffer.reshape(-1).view("uint8"))
         fd = self._ensure_open()
         done = 0
         while done < len(view):
@@ -61,31 +59,37 @@ class FileReader:
 class FileArrayLeaf(ArrayLeaf):
     """A leaf of ``shape`` and ``dtype`` stored in C order at ``offset`` of a file."""
 
-    def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader
         self.offset = offset
         self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype_name = _dtypes.name(dtype_name)
 
-    def read_flat(self, start: int, stop: int) -> np.ndarray:
+    def read_flat(self, start: int, stop: int):
+        import numpy as np
+
         out = np.empty(max(0, stop - start), self.dtype)
         if out.size:
-            self.reader.read_into(out, self.offset + start * self.dtype.itemsize)
+            self.reader.read_into(out, self.offset + start * self.itemsize)
         return out
 
-    def read(self, index: Any = ()) -> np.ndarray:
+    def read(self, index: Any = ()):
+        import numpy as np
+
         if not isinstance(index, tuple):
             index = (index,)
         final_shape = _index.result_shape(self.shape, index)
         sels = _index.selectors(self.shape, index)
         out = np.empty([len(s) for s in sels if isinstance(s, range)], self.dtype)
         if out.size:
-            _fill(self.reader, self.offset, self.shape, sels, out, self.dtype.itemsize)
+            _fill(self.reader, self.offset, self.shape, sels, out, self.itemsize)
         return out.reshape(final_shape)
 
 
-def _fill(reader: FileReader, offset: int, shape: tuple, sels: list, out: np.ndarray, itemsize: int) -> None:
+def _fill(reader: FileReader, offset: int, shape: tuple, sels: list, out, itemsize: int) -> None:
     """Fill ``out`` with the selection ``sels`` of the C-order region at ``offset``."""
+    import numpy as np
+
     # Trailing axes taken whole form one contiguous block per outer position.
     k = len(sels)
     while k > 0 and isinstance(sels[k - 1], range) and sels[k - 1] == range(0, shape[k - 1]):

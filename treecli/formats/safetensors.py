@@ -17,8 +17,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from treecli import _dtypes, _leaf
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
@@ -36,8 +34,7 @@ _CODES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "C64": "complex64",
 }
-_DTYPE_OF_CODE = {code: _dtypes.parse(name) for code, name in _CODES.items()}
-_CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPE_OF_CODE.items()}
+_CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
 _PACKED_CODES = {"F4", "F6_E2M3", "F6_E3M2"}  # several elements per byte
 
 
@@ -96,7 +93,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
     """Validate a safetensors file's header.
 
     Returns:
-        ``(tensors, metadata, data_start)``: each tensor's ``dtype`` (NumPy),
+        ``(tensors, metadata, data_start)``: each tensor's ``dtype`` (name),
         ``shape`` and absolute byte ``offset``, in file order; the
         ``__metadata__`` strings; the byte where the data region starts.
 
@@ -144,11 +141,11 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
     spans = []
     for name, info in header.items():
         dtype, shape, begin, end = _check_entry(name, info, file)
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * _dtypes.itemsize(dtype)
         if end - begin != nbytes:
             raise FormatError(
                 f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {list(shape)} "
-                f"of {_dtypes.name(dtype)} needs {nbytes}",
+                f"of {dtype} needs {nbytes}",
                 file=file, keypath=name,
             )
         spans.append((begin, end, name))
@@ -201,7 +198,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_entry(name: str, info: Any, file: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+def _check_entry(name: str, info: Any, file: str) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(info, dict):
         raise FormatError("tensor entry is not an object", file=file, keypath=name)
     for field in ("dtype", "shape", "data_offsets"):
@@ -210,7 +207,7 @@ def _check_entry(name: str, info: Any, file: str) -> tuple[np.dtype, tuple[int, 
     code = info["dtype"]
     if code in _PACKED_CODES:
         raise FormatError(f"dtype {code} packs several values per byte; treecli does not read it yet", file=file, keypath=name)
-    if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
+    if not isinstance(code, str) or code not in _CODES:
         raise FormatError(f"unknown dtype {code!r} (known: {', '.join(_CODES)})", file=file, keypath=name)
     shape = info["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
@@ -223,7 +220,7 @@ def _check_entry(name: str, info: Any, file: str) -> tuple[np.dtype, tuple[int, 
         or offsets[1] < offsets[0]
     ):
         raise FormatError(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", file=file, keypath=name)
-    return _DTYPE_OF_CODE[code], tuple(shape), offsets[0], offsets[1]
+    return _CODES[code], tuple(shape), offsets[0], offsets[1]
 
 
 def _open_file(path: Path) -> Checkpoint:
@@ -331,8 +328,8 @@ def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tu
             unsupported.append(f"{format_keypath(keypath)} ({_describe(leaf)})")
             continue
         leaf = _leaf.as_leaf(leaf)
-        if leaf.dtype not in _CODE_OF_DTYPE:
-            unsupported.append(f"{format_keypath(keypath)} (dtype {_dtypes.name(leaf.dtype)})")
+        if leaf.dtype_name not in _CODE_OF_DTYPE:
+            unsupported.append(f"{format_keypath(keypath)} (dtype {leaf.dtype_name})")
             continue
         entries.append((key, leaf))
     if unsupported:
@@ -361,7 +358,7 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
     offset = 0
     for key, leaf in entries:
         header[key] = {
-            "dtype": _CODE_OF_DTYPE[leaf.dtype],
+            "dtype": _CODE_OF_DTYPE[leaf.dtype_name],
             "shape": list(leaf.shape),
             "data_offsets": [offset, offset + leaf.nbytes],
         }
@@ -379,6 +376,8 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
 
 def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptions) -> None:
     """Stream one leaf's bytes (little-endian, C order) to ``f``, chunk by chunk."""
+    import numpy as np
+
     written = 0
     for start, stop in leaf.chunk_ranges():
         chunk = leaf.read_flat(start, stop)

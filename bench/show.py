@@ -1,0 +1,87 @@
+"""Benchmark: `treecli show` on a 70B-parameter bf16 checkpoint (8 sparse shards)
+and on a 1 GB one, against a reference measured in the same run: a minimal Typer
+app that parses the same headers with `json` and prints the rows with Rich.
+
+    python bench/show.py [--runs 7]
+
+Both are timed as whole processes (imports included), output to a pipe, median
+of --runs runs; treecli is byte-compiled first, as an installed package is.
+Targets (issue 2): show <= 1.3x the reference, <= 0.25 s, same for both sizes (+-10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _synth import llama_tensors, write_sharded, write_sparse_safetensors  # noqa: E402
+
+REFERENCE_APP = r'''
+import json, struct, sys
+from pathlib import Path
+import typer
+from rich.console import Console
+from rich.table import Table
+
+def main(path: Path):
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    table = Table()
+    for c in ("name", "shape", "dtype"):
+        table.add_column(c)
+    for f in files:
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            table.add_row(name, str(info["shape"]), info["dtype"])
+    Console().print(table)
+
+typer.run(main)
+'''
+
+
+def timed(cmd: list[str], runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    # As an installed package would be (and whatever PYTHONDONTWRITEBYTECODE says).
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).parents[1] / "treecli")], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        big = tmp / "llama70b"
+        write_sharded(big, llama_tensors(80, 8192, 28672, 128256, 1024), shards=8)
+        small = tmp / "small.safetensors"
+        write_sparse_safetensors(small, llama_tensors(30, 1024, 4096, 32000, 256))
+        ref = tmp / "ref.py"
+        ref.write_text(REFERENCE_APP)
+        treecli = [sys.executable, "-m", "treecli", "show"]
+        rows = []
+        for label, target in (("70B bf16, 8 shards", big), ("1 GB", small)):
+            size = sum(p.stat().st_size for p in ([target] if target.is_file() else target.iterdir()))
+            ours = timed(treecli + [str(target)], args.runs)
+            theirs = timed([sys.executable, str(ref), str(target)], args.runs)
+            rows.append((label, size, ours, theirs))
+        print(f"{'checkpoint':<20} {'size':>10} {'treecli show':>13} {'reference':>10} {'ratio':>6}")
+        for label, size, ours, theirs in rows:
+            print(f"{label:<20} {size / 1e9:>8.1f}GB {ours:>12.3f}s {theirs:>9.3f}s {ours / theirs:>6.2f}")
+        print(f"size independence: {rows[0][2] / rows[1][2]:.2f} (70B time / 1 GB time)")
+
+
+if __name__ == "__main__":
+    main()
