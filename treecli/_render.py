@@ -66,7 +66,7 @@ def table(header: list[str], rows: list[list[Any]], right: set[int] = frozenset(
     return lines
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def format_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
@@ -94,7 +94,7 @@ def _cells(node: Node, stats: bool) -> list[str]:
         noun = "leaf" if node.num_leaves == 1 else "leaves"
         cells = [f"{node.num_leaves} {noun}", "", human_count(node.params), human_bytes(node.nbytes)]
     elif node.kind == "array":
-        cells = [_shape(node.shape), node.dtype, human_count(node.params), human_bytes(node.nbytes)]
+        cells = [format_shape(node.shape), node.dtype, human_count(node.params), human_bytes(node.nbytes)]
     else:
         cells = ["= " + _value(node.value), _summary.value_type(node.value), "", ""]
     if stats:

@@ -57,13 +57,16 @@ def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
 
 
 def map_leaves(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
-    """A new tree of the same structure with ``fn(keypath, leaf)`` at each leaf."""
+    """A new tree of the same structure with ``fn(keypath, leaf)`` at each leaf.
+
+    Leaves are visited in display order (and new dicts keep that order).
+    """
 
     def walk(node: Any, prefix: KeyPath) -> Any:
         if not is_node(node):
             return fn(prefix, node)
         if isinstance(node, dict):
-            return {k: walk(v, prefix + (k,)) for k, v in node.items()}
+            return {k: walk(v, prefix + (k,)) for k, v in children(node)}
         items = [walk(v, prefix + (i,)) for i, v in enumerate(node)]
         if isinstance(node, list):
             return items

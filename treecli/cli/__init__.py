@@ -12,6 +12,7 @@ import sys
 import typer
 
 from treecli.cli.show import show
+from treecli.cli.slice import slice_
 
 app = typer.Typer(
     name="treecli",
@@ -41,6 +42,7 @@ def _root(
 
 
 app.command()(show)
+app.command("slice")(slice_)
 
 
 def main(argv: list[str] | None = None) -> int:

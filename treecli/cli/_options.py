@@ -24,6 +24,11 @@ OutputFormatOpt = Annotated[
     typer.Option("--format", "-f", help="Format of the output (default: from the -o name, else the input's).",
                  show_default=False),
 ]
+InputFormatOpt = Annotated[
+    Optional[str],
+    typer.Option("--input-format", help="Format of the input (default: detected from its bytes or layout).",
+                 show_default=False),
+]
 StepOpt = Annotated[
     Optional[int],
     typer.Option("--step", help="Step of a CheckpointManager root (default: the latest).", show_default=False),

@@ -1,0 +1,161 @@
+"""``slice``: index every array leaf, with different indices for different subtrees.
+
+Rules are ``(pattern or None, index)``. A rule without pattern is the default
+for every array leaf; a pattern rule applies to every leaf under the subtrees
+it matches and overrides the default. ``None`` and non-array leaves pass
+through (the nested ``tree_map`` of Equinox: the outer map hands each subtree
+its index, the inner map applies it to each array).
+
+The result is a tree of computed leaves: nothing is read until a writer asks
+for chunks, and then only the source rows those chunks need.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from treecli import _index, _keypath, _leaf, _tree
+from treecli._errors import KeyPathError, UsageError
+from treecli._keypath import format_keypath
+from treecli._leaf import CHUNK_BYTES, ArrayLeaf, ComputedLeaf
+
+
+@dataclass
+class Rule:
+    """One ``--index [PATTERN=]INDEX``."""
+
+    text: str
+    pattern: str | None
+    index: tuple
+
+    @classmethod
+    def parse(cls, text: str) -> "Rule":
+        """``"encoder.layers=3"`` -> pattern ``encoder.layers``, index ``(3,)``; ``":, :128"`` -> default."""
+        pattern, index_text = None, text
+        try:
+            pattern, index_text = _keypath.split_assignment(text)
+        except KeyPathError:
+            pass
+        if pattern is not None:
+            _keypath.parse(pattern.strip())  # a syntax error names the rule
+            pattern = pattern.strip()
+        try:
+            index = _index.parse(index_text)
+        except UsageError as e:
+            raise UsageError(f"--index {text!r}: {e.message}") from None
+        return cls(text, pattern, index)
+
+
+@dataclass
+class SliceReport:
+    """What slicing did, for ``--dry-run`` and the summary line."""
+
+    changed: list[tuple[str, tuple, tuple, str, str]] = field(default_factory=list)  # keypath, before, after, dtype, rule
+    skipped: list[str] = field(default_factory=list)  # default rule, too few dimensions
+    passed_through: int = 0
+
+
+def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
+    """Apply index rules to a tree; returns the new tree (computed leaves) and a report.
+
+    Raises:
+        UsageError: two default rules; a rule that does not fit a leaf (key path, shape and index named).
+        KeyPathError: a pattern that matches nothing (closest key paths named), or two
+            pattern rules matching one leaf.
+    """
+    rules = [Rule.parse(r) if isinstance(r, str) else r for r in rules]
+    defaults = [r for r in rules if r.pattern is None]
+    if len(defaults) > 1:
+        raise UsageError(f"two default --index rules ({defaults[0].text!r}, {defaults[1].text!r}); give one")
+    default = defaults[0] if defaults else None
+    pattern_rules = [(r, _keypath.parse(r.pattern)) for r in rules if r.pattern is not None]
+    for rule, parsed in pattern_rules:
+        if not any(_keypath.matches(parsed, kp) for kp, _ in _tree.iter_nodes(tree)):
+            raise _tree.no_match(tree, rule.pattern, f"--index {rule.text!r} matches nothing")
+
+    report = SliceReport()
+
+    def apply(keypath: tuple, leaf: Any) -> Any:
+        text = format_keypath(keypath)
+        hits = [rule for rule, parsed in pattern_rules if _keypath.covers(parsed, keypath)]
+        if len(hits) > 1:
+            raise KeyPathError(f"matched by two --index rules: {hits[0].text!r} and {hits[1].text!r}", keypath=text)
+        if not _leaf.is_array(leaf):
+            report.passed_through += 1
+            return leaf
+        leaf = _leaf.as_leaf(leaf)
+        rule = hits[0] if hits else default
+        if rule is None:
+            report.passed_through += 1
+            return leaf
+        if rule is default and leaf.ndim < _index.indexed_dims(rule.index):
+            report.skipped.append(text)
+            return leaf
+        try:
+            shape = _index.result_shape(leaf.shape, rule.index)
+        except IndexError as e:
+            raise UsageError(
+                f"index [{_index.format_index(rule.index)}] does not fit shape {list(leaf.shape)}: {e}",
+                keypath=text,
+            ) from None
+        report.changed.append((text, leaf.shape, shape, leaf.dtype_name, rule.text))
+        return sliced_leaf(leaf, rule.index, shape)
+
+    return _tree.map_leaves(apply, tree), report
+
+
+def sliced_leaf(source: ArrayLeaf, index: tuple, shape: tuple[int, ...] | None = None) -> ComputedLeaf:
+    """A computed leaf equal to ``source[index]``, produced by output rows on demand.
+
+    The output is cut into blocks of rows along its first selected axis (about
+    one chunk each); a block is read from the source with ``read(index)``
+    (only its bytes, for file leaves). The last block is kept, so a writer
+    asking for consecutive chunks reads each source row once.
+    """
+    shape = _index.result_shape(source.shape, index) if shape is None else shape
+    selectors = _index.selectors(source.shape, index)
+    axis = next((i for i, s in enumerate(selectors) if isinstance(s, range)), None)
+    row_elems = math.prod(len(s) for s in selectors[axis + 1 :] if isinstance(s, range)) if axis is not None else 1
+    rows_per_block = max(1, CHUNK_BYTES // max(1, row_elems * source.itemsize))
+    block_elems = rows_per_block * row_elems
+    cache: dict[str, Any] = {}
+
+    def block(b: int):
+        """Output rows [b * rows_per_block, ...) as a flat array; the last block is kept."""
+        if cache.get("block") != b:
+            sub = list(selectors)
+            sub[axis] = selectors[axis][b * rows_per_block : (b + 1) * rows_per_block]
+            cache["block"], cache["data"] = b, source.read(_as_index(sub)).reshape(-1)
+        return cache["data"]
+
+    def compute(start: int, stop: int):
+        import numpy as np
+
+        if axis is None or row_elems == 0:
+            return source.read(index).reshape(-1)[start:stop]
+        pieces, position = [], start
+        while position < stop:
+            b = position // block_elems
+            data, base = block(b), b * block_elems
+            end = min(stop, base + data.size)
+            pieces.append(data[position - base : end - base])
+            position = end
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def compute_index(sub_index: Any):
+        whole = source.read(index)
+        return whole if sub_index == () else whole[sub_index].copy()
+
+    return ComputedLeaf(shape, source.dtype_name, compute, compute_index)
+
+
+def _as_index(selectors: list) -> tuple:
+    out = []
+    for s in selectors:
+        if isinstance(s, range):
+            out.append(slice(s.start, s.stop if s.stop >= 0 else None, s.step))
+        else:
+            out.append(s)
+    return tuple(out)

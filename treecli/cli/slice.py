@@ -1,0 +1,77 @@
+"""``treecli slice``: per-leaf and per-subtree indexing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input, write_output
+from treecli.cli._output import Output
+
+
+def slice_(
+    checkpoint: opt.CheckpointArg,
+    index: Annotated[
+        list[str],
+        typer.Option("--index", "-i", help="[PATTERN=]INDEX, repeatable. INDEX is NumPy basic indexing "
+                     "(0, :2, ...,-1, 1:5:2,:). Without PATTERN: the default for every array leaf.",
+                     show_default=False),
+    ],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
+                                                   show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show each affected leaf, shape before -> after; "
+                                          "read no data, write nothing.")] = False,
+    format: opt.OutputFormatOpt = None,
+    input_format: opt.InputFormatOpt = None,
+    step: opt.StepOpt = None,
+    force: opt.ForceOpt = False,
+    max_shard_size: opt.MaxShardOpt = None,
+    drop_unsupported: opt.DropUnsupportedOpt = False,
+    json: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Take member k of a stack, layer k of a scan, the first n rows — per subtree.
+
+    A rule with PATTERN applies to every leaf under the matching subtrees and
+    overrides the default; None and non-array leaves pass through; the default
+    skips leaves with too few dimensions (0-d step counters) and says how many.
+    Reads only the bytes the result needs.
+
+    Examples:
+
+        treecli slice ckpt.safetensors --index 0 -o member0.safetensors
+
+        treecli slice ckpt --index 'encoder.layers=3' --index 'decoder.layers=-1' -o out
+
+        treecli slice ckpt --index 'ensemble=2' --index ':, :128' -o out
+
+        treecli slice ckpt --index 'params.**.kernel=..., :64' --dry-run
+    """
+    from treecli import _render
+    from treecli._errors import UsageError
+    from treecli._slice import slice_tree
+
+    out = Output(quiet=quiet)
+    if output is None and not dry_run:
+        raise UsageError("give -o OUTPUT, or --dry-run to see what would change")
+    with open_input(out, checkpoint, input_format, step) as ckpt:
+        tree, report = slice_tree(ckpt.tree, index)
+        if report.skipped:
+            n = len(report.skipped)
+            out.note(f"default index skipped {n} {'leaf' if n == 1 else 'leaves'} with too few dimensions "
+                     f"(e.g. {report.skipped[0]})")
+        if dry_run:
+            if json:
+                out.json({"changed": [{"keypath": k, "before": list(b), "after": list(a), "dtype": d, "rule": r}
+                                      for k, b, a, d, r in report.changed],
+                          "skipped": report.skipped})
+            else:
+                rows = [[k, _render.format_shape(b), "->", _render.format_shape(a), d, r]
+                        for k, b, a, d, r in report.changed]
+                out.lines(_render.table(["key path", "before", "", "after", "dtype", "rule"], rows))
+            return
+        write_output(out, tree, output, source=ckpt, inputs=[checkpoint], format=format, force=force,
+                     max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
