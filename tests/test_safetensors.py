@@ -314,3 +314,13 @@ def test_header_is_padded_to_eight_bytes(tmp_path):
     out = treecli.save({"a": np.ones(3, np.int8)}, tmp_path / "t.safetensors")
     (n,) = struct.unpack("<Q", out.read_bytes()[:8])
     assert n % 8 == 0
+
+
+def test_a_header_length_that_starts_like_a_pickle_is_still_safetensors(tmp_path):
+    # Header length 0x0280 = 640: the file starts 0x80 0x02, like a protocol-2 pickle.
+    header = json.dumps({"w": _entry()}).encode()
+    header += b" " * (640 - len(header))
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(struct.pack("<Q", 640) + header + b"\0" * 4)
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    assert treecli.load(path)["w"].read().tolist() == [0.0]

@@ -142,6 +142,8 @@ def sliced_leaf(source: ArrayLeaf, index: tuple, shape: tuple[int, ...] | None =
             end = min(stop, base + data.size)
             pieces.append(data[position - base : end - base])
             position = end
+        if stop == math.prod(shape):
+            cache.clear()  # the writer has the last chunk: hold nothing for a finished leaf
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def compute_index(sub_index: Any):

@@ -37,7 +37,6 @@ def detect(path: Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise UsageError("no such file or directory", file=str(path))
-    _foreign.check(path)
     reasons = []
     for name in FORMATS:
         fmt = get(name)
@@ -45,6 +44,8 @@ def detect(path: Path) -> Any:
         if reason is None:
             return fmt
         reasons.append(f"{name}: {reason}")
+    # Before the extension decides: say what the file really is (a pickle, an LFS pointer, ...).
+    _foreign.check(path)
     # Nothing recognised the bytes: the extension decides, so that a damaged
     # file gets its format's precise error ("truncated", ...), not a shrug.
     for name in FORMATS:

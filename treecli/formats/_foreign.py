@@ -48,8 +48,13 @@ def check(path: Path) -> None:
 
 
 def _is_pickle(head: bytes) -> bool:
-    # Protocol 2+ pickles start with PROTO (0x80) and the protocol number.
-    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    # Protocol 2+ pickles start with PROTO (0x80), the protocol number, then an
+    # opcode: FRAME (0x95) for protocols 4-5; for 2-3 the usual first opcodes
+    # (EMPTY_DICT, EMPTY_LIST, MARK, GLOBAL, LONG1 of torch's legacy magic, ...).
+    # A safetensors header length can start 0x80 0x02 too, followed by zeros.
+    if len(head) < 3 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    return head[2] == 0x95 if head[1] >= 4 else head[2] in b"}](c\x8a\x8cK"
 
 
 def _zip_holds_pickle(path: Path) -> bool:
