@@ -17,6 +17,7 @@ Format modules subclass it for lazy file-backed leaves; operations build
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from treecli import _dtypes
@@ -57,6 +58,13 @@ class ArrayLeaf:
         """Elements ``[start, stop)`` in C order, as a 1-d NumPy array."""
         raise NotImplementedError
 
+    def read_into(self, start: int, stop: int, out) -> None:
+        """Fill ``out`` (a 1-d array of this dtype, length ``stop - start``) with elements ``[start, stop)``.
+
+        Lets hot loops reuse buffers instead of touching fresh memory per chunk.
+        """
+        out[...] = self.read_flat(start, stop)
+
     def read(self, index: Any = ()):
         """``self[index]`` for a NumPy basic index; the default reads the whole leaf."""
         import numpy as np
@@ -94,8 +102,9 @@ class InMemoryLeaf(ArrayLeaf):
             array = np.asarray(self._source)
             if array.dtype.byteorder == ">":  # values kept, stored little-endian like every format
                 array = array.astype(array.dtype.newbyteorder("="))
-            # C order once, so that flat chunks are views, not copies.
-            self._array = np.ascontiguousarray(array)
+            # C order once, so that flat chunks are views, not copies (ascontiguousarray
+            # would also turn a 0-d array into shape (1,)).
+            self._array = array if array.flags.c_contiguous else array.copy(order="C")
         return self._array
 
     def read_flat(self, start: int, stop: int):
@@ -133,6 +142,44 @@ class ComputedLeaf(ArrayLeaf):
         if self._compute_index is not None:
             return self._compute_index(index)
         return super().read(index)
+
+
+_pools: dict[str, ThreadPoolExecutor] = {}
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    if name not in _pools:
+        _pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"treecli-{name}")
+    return _pools[name]
+
+
+def iter_chunks(leaf: ArrayLeaf, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+    """The leaf's chunks in order, each computed in a background thread while the
+    caller consumes the previous one (writing overlaps reading and arithmetic)."""
+    ranges = list(leaf.chunk_ranges(chunk_bytes))
+    if not ranges:
+        return
+    pool = _pool("prefetch")
+    future = pool.submit(leaf.read_flat, *ranges[0])
+    try:
+        for i in range(len(ranges)):
+            chunk = future.result()
+            if i + 1 < len(ranges):
+                future = pool.submit(leaf.read_flat, *ranges[i + 1])
+            yield chunk
+    finally:
+        future.cancel()
+
+
+def in_two_halves(fill: Callable[[int, int, Any], None], start: int, stop: int, out: Any, minimum: int) -> None:
+    """Run ``fill(start, stop, out)`` as two halves on two threads (NumPy releases the GIL)."""
+    if stop - start < 2 * minimum:
+        fill(start, stop, out)
+        return
+    mid = start + (stop - start) // 2
+    future = _pool("half").submit(fill, mid, stop, out[mid - start :])
+    fill(start, mid, out[: mid - start])
+    future.result()
 
 
 def is_array(value: Any) -> bool:

@@ -162,3 +162,42 @@ def resolve(tree: Any, pattern_text: str) -> list[KeyPath]:
     if not found:
         raise no_match(tree, pattern_text)
     return found
+
+
+def describe_leaf(leaf: Any) -> str:
+    """``[2, 3] float32`` for arrays, the type for other leaves (for structure messages)."""
+    from treecli import _leaf
+
+    if _leaf.is_array(leaf):
+        dtype = leaf.dtype_name if isinstance(leaf, _leaf.ArrayLeaf) else getattr(leaf.dtype, "name", str(leaf.dtype))
+        return f"[{', '.join(str(int(d)) for d in leaf.shape)}] {dtype}"
+    if leaf is None:
+        return "None"
+    if isinstance(leaf, (dict, list, tuple)):
+        return f"empty {type(leaf).__name__}"
+    return type(leaf).__name__
+
+
+def structure_differences(trees: list[Any], names: list[str]) -> list[str]:
+    """One line per key path where the trees disagree: missing in some, or a different shape/dtype/type.
+
+    Lines read like ``model.w: [2, 3] float32 in a.safetensors; [3, 3] float32 in b.safetensors``.
+    """
+    flats = [dict(flatten(tree)) for tree in trees]
+    keys: dict[KeyPath, None] = {}
+    for flat in flats:
+        keys.update(dict.fromkeys(flat))
+    lines = []
+    for keypath in sorted(keys, key=lambda kp: tuple(_keypath.natural_sort_key(k) for k in kp)):
+        text = format_keypath(keypath) or "<root>"
+        present = [i for i, flat in enumerate(flats) if keypath in flat]
+        if len(present) != len(flats):
+            lines.append(f"{text}: only in {', '.join(names[i] for i in present)}")
+            continue
+        descriptions = [describe_leaf(flat[keypath]) for flat in flats]
+        if len(set(descriptions)) > 1:
+            groups: dict[str, list[str]] = {}
+            for description, name in zip(descriptions, names):
+                groups.setdefault(description, []).append(name)
+            lines.append(f"{text}: " + "; ".join(f"{d} in {', '.join(n)}" for d, n in groups.items()))
+    return lines

@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from treecli.cli.average import average
 from treecli.cli.show import show
 from treecli.cli.slice import slice_
 
@@ -43,6 +44,7 @@ def _root(
 
 app.command()(show)
 app.command("slice")(slice_)
+app.command()(average)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,10 @@ class FileArrayLeaf(ArrayLeaf):
             self.reader.read_into(out, self.offset + start * self.itemsize)
         return out
 
+    def read_into(self, start: int, stop: int, out) -> None:
+        if stop > start:
+            self.reader.read_into(out, self.offset + start * self.itemsize)
+
     def read(self, index: Any = ()):
         import numpy as np
 

@@ -379,14 +379,10 @@ def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptio
     import numpy as np
 
     written = 0
-    for start, stop in leaf.chunk_ranges():
-        chunk = leaf.read_flat(start, stop)
-        if chunk.dtype != leaf.dtype or chunk.size != stop - start:
-            raise TreecliError(
-                f"internal error: chunk [{start}, {stop}) came back as {chunk.size} x {chunk.dtype}, "
-                f"expected {stop - start} x {leaf.dtype}",
-                file=file, keypath=key,
-            )
+    for chunk in _leaf.iter_chunks(leaf):
+        if chunk.dtype != leaf.dtype:
+            raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
+                               file=file, keypath=key)
         if chunk.dtype.byteorder == ">":
             chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
         raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)

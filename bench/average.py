@@ -1,0 +1,157 @@
+"""Benchmark: `treecli average` of three ~1 GB checkpoints (fp32, then bf16),
+against references measured in the same run:
+
+  (a) tutorial: load every file (safetensors.numpy.load_file), jax.tree_util.tree_map
+      a weighted sum, save;
+  (b) streaming: a NumPy loop written here — per leaf, 256 KiB chunks pread into
+      reused buffers, fp32 accumulator, written to the output as it goes; also
+      "streaming+fsync", the same plus the fsync that treecli always does;
+  (c) mergekit's linear merge, when it is installed (it needs torch; see --help).
+
+    python bench/average.py [--runs 3] [--gib 1] [--skip-tutorial]
+
+Wall time is the median of --runs; peak RSS is the child's ru_maxrss, as
+/usr/bin/time -v reports it. Page cache warm for all.
+Targets (issue 5): wall <= 1.25x (b); peak RSS <= 200 MB and flat when the model doubles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MAKE = r'''
+import sys
+import ml_dtypes, numpy as np
+from safetensors.numpy import save_file
+directory, gib, dtype = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+np_dtype = np.float32 if dtype == "fp32" else ml_dtypes.bfloat16
+itemsize = 4 if dtype == "fp32" else 2
+rows = int(gib * 2**30) // 32 // itemsize // 4096  # 32 leaves [rows, 4096]
+for i in range(3):
+    rng = np.random.default_rng(i)
+    save_file({f"layers.{k}.w": rng.standard_normal((rows, 4096), dtype=np.float32).astype(np_dtype)
+               for k in range(32)}, f"{directory}/in{i}.safetensors")
+'''
+
+CHILD = r'''
+import json, resource, sys, time
+start = time.perf_counter()
+mode, out, *inputs = sys.argv[1:]
+weights = [1.0, 2.0, 3.0]
+if mode == "treecli":
+    from treecli.cli import main
+    assert main(["average", *inputs, "--weights", "1,2,3", "-o", out, "--quiet"]) == 0
+elif mode == "tutorial":
+    import jax, numpy as np
+    from safetensors.numpy import load_file, save_file
+    trees = [load_file(p) for p in inputs]
+    total = sum(weights)
+    soup = jax.tree_util.tree_map(lambda *xs: sum(w / total * x.astype(np.float32) for w, x in zip(weights, xs))
+                                  .astype(xs[0].dtype), *trees)
+    save_file({k: np.asarray(v) for k, v in soup.items()}, out)
+elif mode in ("streaming", "streaming+fsync"):
+    import json as j, os, struct
+    import ml_dtypes, numpy as np
+    names = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
+    fds = [os.open(p, os.O_RDONLY) for p in inputs]
+    headers = []
+    for p in inputs:
+        with open(p, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            headers.append((8 + n, j.loads(f.read(n))))
+    start0, header = headers[0]
+    header.pop("__metadata__", None)
+    blob = open(inputs[0], "rb").read(start0)  # same layout: reuse the first header
+    w = [x / sum(weights) for x in weights]
+    chunk = 256 * 1024
+    with open(out, "wb") as f:
+        f.write(blob)
+        for name, info in header.items():
+            dtype = np.dtype(names[info["dtype"]])
+            n_el = (info["data_offsets"][1] - info["data_offsets"][0]) // dtype.itemsize
+            per = chunk // dtype.itemsize
+            raw, tmp, acc = np.empty(per, dtype), np.empty(per, np.float32), np.empty(per, np.float32)
+            outbuf = np.empty(per, dtype)
+            for s in range(0, n_el, per):
+                e = min(n_el, s + per)
+                m = e - s
+                for i, (fd, (base, h)) in enumerate(zip(fds, headers)):
+                    off = base + h[name]["data_offsets"][0] + s * dtype.itemsize
+                    os.preadv(fd, [memoryview(raw[:m].view(np.uint8))], off)
+                    if i == 0:
+                        np.multiply(raw[:m], np.float32(w[i]), out=acc[:m], casting="unsafe") if dtype == np.float32 else np.multiply(raw[:m].astype(np.float32), np.float32(w[i]), out=acc[:m])
+                    else:
+                        np.copyto(tmp[:m], raw[:m], casting="unsafe")
+                        tmp[:m] *= np.float32(w[i])
+                        acc[:m] += tmp[:m]
+                outbuf[:m] = acc[:m]
+                f.write(outbuf[:m].view(np.uint8))
+        if mode == "streaming+fsync":  # the durability treecli always pays
+            f.flush()
+            os.fsync(f.fileno())
+elif mode == "mergekit":
+    import yaml
+    config = {"merge_method": "linear", "models": [{"model": p, "parameters": {"weight": w}}
+                                                   for p, w in zip(inputs, weights)], "dtype": "float32"}
+    open(out + ".yml", "w").write(yaml.safe_dump(config))
+    subprocess_result = __import__("subprocess").run(["mergekit-yaml", out + ".yml", out, "--lazy-unpickle"])
+    assert subprocess_result.returncode == 0
+elapsed = time.perf_counter() - start
+print(json.dumps({"seconds": elapsed, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+'''
+
+
+def run(mode: str, out: Path, inputs: list[Path]) -> dict:
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.sync()  # else the previous run's dirty pages throttle this run's writes
+    result = subprocess.run([sys.executable, "-c", CHILD, mode, str(out), *map(str, inputs)],
+                            capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"{mode} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--skip-tutorial", action="store_true")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    args = parser.parse_args()
+    modes = ["streaming", "streaming+fsync", "treecli"] + ([] if args.skip_tutorial else ["tutorial"])
+    if shutil.which("mergekit-yaml"):
+        modes.append("mergekit")
+    for dtype in args.dtypes.split(","):
+        with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+            tmp = Path(tmp)
+            subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib), dtype], check=True)
+            inputs = [tmp / f"in{i}.safetensors" for i in range(3)]
+            for p in inputs:  # warm the page cache from another process (ru_maxrss survives exec)
+                subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
+            results = {}
+            for mode in modes:
+                runs = [run(mode, tmp / f"out-{mode}.safetensors", inputs)
+                        for _ in range(1 if mode in ("tutorial", "mergekit") else args.runs)]
+                results[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            size = inputs[0].stat().st_size / 2**30
+            print(f"\n3 x {size:.2f} GiB {dtype}")
+            print(f"{'':<16} {'wall':>8} {'peak RSS':>10} {'vs streaming':>13} {'vs +fsync':>10}")
+            ref, ref_sync = results["streaming"]["seconds"], results["streaming+fsync"]["seconds"]
+            for mode, r in results.items():
+                print(f"{mode:<16} {r['seconds']:>7.2f}s {r['rss_mb']:>8.0f}MB {r['seconds'] / ref:>12.2f}x "
+                      f"{r['seconds'] / ref_sync:>9.2f}x")
+            if "mergekit" not in results:
+                print("mergekit: not installed here (it needs torch); install it to include it")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import deserialize
+from safetensors.numpy import save_file
+
+import treecli
+from treecli._average import average, parse_weights
+from treecli._errors import StructureError, UsageError
+
+from .conftest import BF16, assert_clean_error, bits, snapshot
+
+
+def materialize(tree):
+    from treecli import _leaf, _tree
+
+    return _tree.map_leaves(lambda kp, x: _leaf.as_leaf(x).read() if _leaf.is_array(x) else x, tree)
+
+
+def reference(arrays, weights):
+    """The float64 reference of DESIGN.md's accuracy oracle."""
+    w = np.asarray(weights, np.float64) / np.sum(weights)
+    return sum(wi * a.astype(np.float64) for wi, a in zip(w, arrays))
+
+
+def ulp_distance(got, ref, dtype):
+    """How many representable steps of ``dtype`` separate got from ref rounded to dtype."""
+    rounded = ref.astype(dtype)
+    as_int = {1: np.int8, 2: np.int16}[np.dtype(dtype).itemsize]
+    a, b = got.view(as_int).astype(np.int64), rounded.view(as_int).astype(np.int64)
+    # map sign-magnitude bit patterns onto a monotonic integer line
+    top = 1 << (8 * np.dtype(dtype).itemsize - 1)
+    a = np.where(a < 0, -(a + top), a)
+    b = np.where(b < 0, -(b + top), b)
+    return np.abs(a - b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.float64])
+def test_accuracy_against_a_float64_reference(dtype):
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((300, 70)).astype(dtype) * 10 for _ in range(3)]
+    weights = [1.0, 2.0, 3.5]
+    got = materialize(average([{"w": a} for a in arrays], weights)[0])["w"]
+    assert got.dtype == np.dtype(dtype)
+    ref = reference(arrays, weights)
+    if dtype in (np.float32, np.float64):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    else:
+        assert ulp_distance(got, ref, dtype).max() <= 1
+
+
+def test_fp16_values_near_the_maximum_do_not_overflow():
+    arrays = [np.full(1000, 65504, np.float16), np.full(1000, 65504, np.float16), np.full(1000, 65000, np.float16)]
+    got = materialize(average([{"w": a} for a in arrays])[0])["w"]
+    assert np.isfinite(got).all() and got.dtype == np.float16
+
+
+def test_bf16_subnormals_average_to_the_rounded_reference():
+    tiny = np.array([1e-39, -2e-39, 5e-40], np.float32).astype(BF16)
+    arrays = [tiny, tiny * 2, tiny * 3]
+    got = materialize(average([{"w": a} for a in arrays])[0])["w"]
+    assert ulp_distance(got, reference(arrays, [1, 1, 1]), BF16).max() <= 1
+
+
+def test_integer_step_counters_are_copied_exactly_or_refused_when_they_differ():
+    trees = [{"w": np.ones(2, np.float32), "step": np.asarray(2**40, np.int64), "flag": np.array([True]),
+              "lr": 0.1, "name": "run"} for _ in range(3)]
+    out = materialize(average(trees)[0])
+    assert out["step"].dtype == np.int64 and int(out["step"]) == 2**40
+    assert out["flag"].tolist() == [True] and out["lr"] == 0.1 and out["name"] == "run"
+    trees[1] = dict(trees[1], step=np.asarray(200, np.int64), name="other")
+    with pytest.raises(StructureError) as info:
+        average(trees, names=["a", "b", "c"])
+    assert info.value.details == ["name: 'run' in a; 'other' in b; 'run' in c",
+                                  "step: 1099511627776 in a; 200 in b; 1099511627776 in c"]
+    first = materialize(average(trees, non_float="first")[0])
+    assert int(first["step"]) == 2**40 and first["name"] == "run"
+
+
+def test_structure_mismatches_are_listed_diff_style_naming_inputs():
+    a = {"w": np.zeros((1, 4), np.float32), "only_a": np.zeros(1, np.float32), "x": np.zeros(2, BF16)}
+    b = {"w": np.zeros((3, 4), np.float32), "x": np.zeros(2, np.float32)}
+    with pytest.raises(StructureError) as info:
+        average([a, b], names=["a.st", "b.st"])
+    assert info.value.details == [
+        "only_a: only in a.st",
+        "w: [1, 4] float32 in a.st; [3, 4] float32 in b.st",  # never broadcast
+        "x: [2] bfloat16 in a.st; [2] float32 in b.st",
+    ]
+
+
+def test_weights_normalize_count_and_task_arithmetic():
+    base, ft = np.full(3, 1.0, np.float32), np.full(3, 4.0, np.float32)
+    assert materialize(average([{"w": base}, {"w": ft}], [1, 3])[0])["w"].tolist() == [3.25] * 3
+    delta = materialize(average([{"w": ft}, {"w": base}], [1, -1], normalize=False)[0])["w"]
+    assert delta.tolist() == [3.0] * 3
+    with pytest.raises(UsageError, match="sum to 0"):
+        average([{"w": base}, {"w": ft}], [1, -1])
+    with pytest.raises(UsageError, match="3 values for 2 inputs"):
+        parse_weights("1,2,3", 2)
+    with pytest.raises(UsageError, match="finite"):
+        parse_weights("1,nan", 2)
+
+
+def test_nonfinite_inputs_are_reported_with_key_path_input_and_count():
+    a = {"a": {"w": np.array([1, np.nan, np.nan], np.float32)}, "b": {"w": np.array([np.inf, 1], np.float32)}}
+    b = {"a": {"w": np.ones(3, np.float32)}, "b": {"w": np.ones(2, np.float32)}}
+    tree, report = average([a, b], names=["x", "y"])
+    materialize(tree)
+    assert report.warnings() == ["a.w: 2 NaN and 0 Inf values in x", "b.w: 0 NaN and 1 Inf values in x"]
+
+
+def test_zero_d_leaves_and_empty_trees():
+    out = materialize(average([{"s": np.float32(1)}, {"s": np.float32(3)}])[0])
+    assert out["s"].shape == () and float(out["s"]) == 2.0
+    assert average([{}, {}])[0] == {}
+
+
+def test_jax_arrays_in_memory_average_too():
+    jnp = pytest.importorskip("jax.numpy")
+    trees = [{"w": jnp.full((2, 2), v, dtype=jnp.bfloat16)} for v in (1.0, 2.0)]
+    out = materialize(average(trees)[0])
+    assert out["w"].dtype == BF16 and out["w"].tolist() == [[1.5, 1.5], [1.5, 1.5]]
+
+
+def _write(path, tensors):
+    save_file(tensors, str(path))
+    return path
+
+
+def test_cli_average_streams_to_a_file_bit_exact_with_the_reference(cli, tmp_path):
+    rng = np.random.default_rng(1)
+    inputs = []
+    for i in range(3):
+        inputs.append({"m.w": rng.standard_normal((64, 33)).astype(BF16),
+                       "m.f8": rng.standard_normal(16).astype(ml_dtypes.float8_e4m3fn),
+                       "step": np.asarray(10, np.int64)})
+    paths = [_write(tmp_path / f"in{i}.safetensors", t) for i, t in enumerate(inputs)]
+    result = cli("average", *paths, "--weights", "1,2,3", "-o", tmp_path / "soup.safetensors")
+    assert result.code == 0, result.stderr
+    raw = {n: t for n, t in deserialize((tmp_path / "soup.safetensors").read_bytes())}  # load_file cannot do fp8
+    dtypes = {"BF16": BF16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64}
+    out = {n: np.frombuffer(bytes(t["data"]), dtypes[t["dtype"]]).reshape(t["shape"]) for n, t in raw.items()}
+    assert out["m.f8"].dtype == ml_dtypes.float8_e4m3fn
+    expected = reference([t["m.w"] for t in inputs], [1, 2, 3]).astype(np.float32)
+    assert out["m.w"].dtype == BF16 and ulp_distance(out["m.w"], expected, BF16).max() <= 1
+    assert out["step"] == 10 and out["step"].dtype == np.int64
+    # the Python API on the same files gives the same bytes
+    api, _ = average([treecli.load(p) for p in paths], [1, 2, 3])
+    assert bits(materialize(api)["m"]["w"]) == bits(out["m.w"])
+
+
+def test_cli_average_mismatch_is_one_error_and_writes_nothing(cli, tmp_path):
+    a = _write(tmp_path / "a.safetensors", {"w": np.zeros((1, 4), np.float32)})
+    b = _write(tmp_path / "b.safetensors", {"w": np.zeros((2, 4), np.float32), "extra": np.zeros(1, np.float32)})
+    before = snapshot(tmp_path)
+    result = cli("average", a, b, "-o", tmp_path / "out.safetensors")
+    assert_clean_error(result, "differ in 2 leaves")
+    assert result.stderr.splitlines()[1:] == [f"    extra: only in {b}", f"    w: [1, 4] float32 in {a}; [2, 4] float32 in {b}"]
+    assert snapshot(tmp_path) == before
+    assert_clean_error(cli("average", a, a, "--weights", "1,-1", "-o", tmp_path / "o.safetensors"), "sum to 0")
+    assert_clean_error(cli("average", a, "-o", tmp_path / "o.safetensors"), "at least two")
