@@ -22,6 +22,11 @@ _EXPORTS = {
     "StructureError": "treecli._errors",
     "UsageError": "treecli._errors",
     "ArrayLeaf": "treecli._leaf",
+    "slice_tree": "treecli._slice",
+    "average": "treecli._average",
+    "edit": "treecli._edit",
+    "Edits": "treecli._edit",
+    "at": "treecli._edit",
     "format_keypath": "treecli._keypath",
     "parse_keypath": "treecli._keypath",
 }

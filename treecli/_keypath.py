@@ -283,3 +283,52 @@ def closest(wanted: str, candidates: Iterable[str], limit: int = 3) -> list[str]
         head = wanted.split(".")[0]
         found = [c for c in pool if c.startswith(head)][:limit]
     return found
+
+
+def match_prefix_with_captures(pattern: Pattern, keypath: Sequence[str | int]) -> tuple[int, list] | None:
+    """The shortest prefix of ``keypath`` the pattern matches, with what ``*`` and ``**`` captured.
+
+    Returns ``(prefix length, captures)`` — a key for each ``*``, a tuple of keys
+    for each ``**``, in pattern order — or ``None``.
+    """
+    keypath = tuple(keypath)
+
+    def walk(p: int, k: int, captured: list) -> list | None:
+        if p == len(pattern):
+            return captured + [k]
+        seg = pattern[p]
+        if seg.kind == "any":
+            for end in range(k, len(keypath) + 1):
+                found = walk(p + 1, end, captured + [keypath[k:end]])
+                if found is not None:
+                    return found
+            return None
+        if k < len(keypath) and seg.matches(keypath[k]):
+            return walk(p + 1, k + 1, captured + ([keypath[k]] if seg.kind == "glob" else []))
+        return None
+
+    found = walk(0, 0, [])
+    return None if found is None else (found[-1], found[:-1])
+
+
+def fill_template(template: Pattern, captures: list, text: str) -> tuple:
+    """The key path ``template`` names, with its ``*`` / ``**`` replaced by ``captures`` in order.
+
+    Raises:
+        KeyPathSyntaxError: the template has more wildcards than the pattern captured.
+    """
+    out: list = []
+    remaining = list(captures)
+    for seg in template:
+        if seg.kind in ("any", "glob"):
+            if seg.kind == "glob" and seg.value != "*":
+                raise KeyPathSyntaxError(text, 0, "a rename target may use * and ** only as whole segments")
+            if not remaining:
+                raise KeyPathSyntaxError(text, 0, "the target has more * / ** than the pattern captures")
+            value = remaining.pop(0)
+            out.extend(value if isinstance(value, tuple) else (value,))
+        elif seg.kind == "index":
+            out.append(seg.value)
+        else:
+            out.append(seg.value)  # keys, and bare digits as string keys ("layers.0")
+    return tuple(out)

@@ -12,6 +12,7 @@ import sys
 import typer
 
 from treecli.cli.average import average
+from treecli.cli.edit import edit
 from treecli.cli.show import show
 from treecli.cli.slice import slice_
 
@@ -45,6 +46,7 @@ def _root(
 app.command()(show)
 app.command("slice")(slice_)
 app.command()(average)
+app.command()(edit)
 
 
 def main(argv: list[str] | None = None) -> int:

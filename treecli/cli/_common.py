@@ -31,6 +31,7 @@ def write_output(
     max_shard_size: str | None = None,
     drop_unsupported: bool = False,
     metadata: dict[str, Any] | None = None,
+    mode: int | None = None,
 ) -> None:
     """Write a tree the way every command does: atomically, streaming, with a progress bar."""
     from treecli import _leaf, _tree
@@ -47,5 +48,5 @@ def write_output(
             warn=out.warn,
         )
         save(tree, target, format=format, input_format=source.format, options=options,
-             inputs=inputs, force=force, in_place=in_place)
+             inputs=inputs, force=force, in_place=in_place, mode=mode)
     out.note(f"wrote {target}")

@@ -99,6 +99,7 @@ def save(
     inputs: list[Path] = (),
     force: bool = False,
     in_place: bool = False,
+    mode: int | None = None,
 ) -> Path:
     """Write ``tree`` to ``target`` atomically, streaming leaf by leaf.
 
@@ -108,6 +109,9 @@ def save(
     Raises:
         UsageError: the output exists (without ``force``), is an input
             (without ``in_place``), or its directory is missing.
+
+    ``mode`` sets the output file's permissions (``--in-place`` keeps the
+    input's); by default they follow the umask.
         TreecliError: the tree cannot be stored in the format.
     """
     from treecli import _atomic
@@ -130,7 +134,7 @@ def save(
         else:
             if target.is_dir():
                 raise UsageError("output is a directory; name a file or use --format", file=str(target))
-            with _atomic.atomic_file(target) as tmp:
+            with _atomic.atomic_file(target, mode=mode) as tmp:
                 fmt.write(tree, tmp, options)
     except TreecliError as e:
         raise e.with_file(str(target))

@@ -1,0 +1,372 @@
+"""``edit``: ``eqx.tree_at`` from the shell — key-path-addressed surgery.
+
+Operations apply in one pass in a fixed order — rename, delete, set, cast,
+scale — so later operations address the renamed key paths. Only what the user
+named changes: every other leaf object passes through untouched (a writer
+copies its bytes without decoding them). Nothing here reads array data except
+a ``@file.npy`` value's header; values are computed when written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli._errors import KeyPathError, UsageError
+from treecli._keypath import format_keypath
+
+
+@dataclass
+class EditReport:
+    """One row per changed leaf (for ``--dry-run``), and warnings found while writing."""
+
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # keypath, before, after, what
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Edits:
+    """The operations of one ``edit``, as the user typed them (``PATTERN=VALUE`` strings)."""
+
+    rename: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    set: list[str] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
+    scale: list[str] = field(default_factory=list)
+    allow_reshape: bool = False
+
+
+def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
+    """Apply ``edits`` to a tree; returns the new tree and a report. The input is not mutated.
+
+    Raises:
+        KeyPathError: a pattern that matches nothing (closest key paths named), a
+            rename collision (both key paths named), a key path both set and deleted.
+        UsageError: a bad value, dtype or factor; a set of a subtree with a scalar.
+    """
+    report = EditReport()
+    items = _tree.flatten(tree)
+    describe = {kp: _tree.describe_leaf(leaf) for kp, leaf in items}
+    origin = {kp: kp for kp, _ in items}  # new key path -> original key path
+
+    what: dict[tuple, list[str]] = {}  # new key path -> what happened to it
+    items, origin = _rename(items, origin, edits.rename, what)
+    items = _delete(items, edits.delete, edits.set, report, origin, describe, what)
+    leaves = dict(items)
+    for text in edits.set:
+        _set(leaves, text, edits.allow_reshape, what, report)
+    for text in edits.cast:
+        _cast(leaves, text, what, report)
+    for text in edits.scale:
+        _scale(leaves, text, what, report)
+    for keypath, actions in what.items():
+        before = describe.get(origin.get(keypath, keypath), "-")
+        report.rows.append((format_keypath(keypath), before, _tree.describe_leaf(leaves[keypath]), ", ".join(actions)))
+    report.rows.sort(key=lambda row: row[0])
+    new_items = [(kp, leaves[kp]) for kp, _ in items]
+    if not new_items:
+        return {}, report
+    return _tree.unflatten(new_items, template=tree), report
+
+
+# --- rename ---------------------------------------------------------------------------------
+
+
+def _rename(items, origin, rules, what):
+    for text in rules:
+        old_text, new_text = _split(text, "--rename", "OLD=NEW")
+        pattern, template = _keypath.parse(old_text), _keypath.parse(new_text)
+        renamed: dict[tuple, tuple] = {}
+        for keypath, _ in items:
+            found = _keypath.match_prefix_with_captures(pattern, keypath)
+            if found is not None:
+                length, captures = found
+                renamed[keypath] = _keypath.fill_template(template, captures, new_text) + tuple(keypath[length:])
+        if not renamed:
+            raise _tree.no_match(_tree.unflatten(items) if items else {}, old_text, f"--rename {text!r} matches nothing")
+        _check_collisions(items, renamed, text)
+        items = [(renamed.get(kp, kp), leaf) for kp, leaf in items]
+        origin = {renamed.get(kp, kp): origin[kp] for kp in origin}
+        for old, new in renamed.items():
+            what[new] = what.pop(old, []) + [f"renamed from {format_keypath(old)}"]
+    return items, origin
+
+
+def _check_collisions(items, renamed, text):
+    targets: dict[tuple, tuple] = {}
+    for old, new in renamed.items():
+        if new in targets:
+            raise KeyPathError(f"--rename {text!r} sends {format_keypath(targets[new])} and {format_keypath(old)} "
+                               "to the same key path", keypath=format_keypath(new))
+        targets[new] = old
+    staying = {kp for kp, _ in items if kp not in renamed}
+    for new, old in targets.items():
+        clash = next((kp for kp in staying if kp == new or kp[: len(new)] == new or new[: len(kp)] == kp), None)
+        if clash is not None:
+            raise KeyPathError(f"--rename {text!r} moves {format_keypath(old)} onto the existing {format_keypath(clash)}",
+                               keypath=format_keypath(new))
+
+
+# --- delete ---------------------------------------------------------------------------------
+
+
+def _delete(items, patterns, sets, report, origin, describe, what):
+    set_paths = {}
+    for text in sets:
+        target, _ = _split(text, "--set", "KEYPATH=VALUE")
+        set_paths[target] = _keypath.parse(target)
+    kept = items
+    for text in patterns:
+        pattern = _keypath.parse(text)
+        if not any(_keypath.covers(pattern, kp) for kp, _ in kept):
+            raise _tree.no_match(_tree.unflatten(kept) if kept else {}, text, f"--delete {text!r} matches nothing")
+        for target, parsed in set_paths.items():
+            if any(_keypath.covers(pattern, kp) and _keypath.matches(parsed, kp) for kp, _ in kept):
+                raise KeyPathError(f"both deleted by --delete {text!r} and set by --set", keypath=target)
+        gone = [kp for kp, _ in kept if _keypath.covers(pattern, kp)]
+        for kp in gone:
+            what.pop(kp, None)
+            report.rows.append((format_keypath(kp), describe.get(origin.get(kp, kp), "-"), "-", "deleted"))
+        kept = [(kp, leaf) for kp, leaf in kept if not _keypath.covers(pattern, kp)]
+    return kept
+
+
+# --- set ------------------------------------------------------------------------------------
+
+
+def _set(leaves, text, allow_reshape, what, report):
+    target_text, value_text = _split(text, "--set", "KEYPATH=VALUE")
+    keypath = _resolve_one(leaves, target_text, "--set")
+    old = leaves[keypath]
+    if value_text.startswith("@"):
+        new = _from_npy(Path(value_text[1:]), old, allow_reshape, target_text, report)
+    else:
+        value = _parse_number(value_text, f"--set {text!r}")
+        if _leaf.is_array(old):
+            old_leaf = _leaf.as_leaf(old)
+            new = _constant_leaf(old_leaf.shape, old_leaf.dtype_name, value, target_text, report)
+        elif old is None:
+            raise UsageError("a None leaf can only be set from a file: --set KEYPATH=@value.npy", keypath=target_text)
+        elif isinstance(old, (int, float, bool)) or old.__class__.__module__ == "numpy":
+            new = type(old)(value) if isinstance(old, (int, float, bool)) else value
+        else:
+            raise UsageError(f"cannot set a {type(old).__name__} leaf to a number", keypath=target_text)
+    leaves[keypath] = new
+    what.setdefault(keypath, []).append("set")
+
+
+def _constant_leaf(shape, dtype_name, value, keypath, report):
+    import numpy as np
+
+    dtype = _dtypes.numpy_dtype(dtype_name)
+    stored = np.asarray(value).astype(dtype)
+    if not _same_value(value, stored, dtype_name):
+        report.warnings.append(f"{keypath}: {value!r} is stored as {stored.item()!r} in {dtype_name}")
+
+    def compute(start: int, stop: int):
+        return np.full(stop - start, stored, dtype)
+
+    return _leaf.ComputedLeaf(shape, dtype_name, compute)
+
+
+def _same_value(value, stored, dtype_name) -> bool:
+    try:
+        back = float(stored.astype("float64"))
+    except (TypeError, ValueError):
+        return True
+    return (math.isnan(value) and math.isnan(back)) or back == float(value)
+
+
+def _from_npy(path: Path, old, allow_reshape, keypath, report):
+    import numpy as np
+
+    try:
+        # mmap: the header now, the data only when the writer asks. No pickles, ever.
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError("no such file", file=str(path), keypath=keypath) from None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"cannot read it as a .npy array: {e}", file=str(path), keypath=keypath) from None
+    if old is None or not _leaf.is_array(old):
+        return _leaf.InMemoryLeaf(array)
+    old_leaf = _leaf.as_leaf(old)
+    if tuple(array.shape) != old_leaf.shape and not allow_reshape:
+        raise UsageError(f"shape {list(array.shape)} does not match the leaf's {list(old_leaf.shape)} "
+                         "(use --allow-reshape to replace the shape too)", file=str(path), keypath=keypath)
+    source = _leaf.InMemoryLeaf(array)
+    if source.dtype_name == old_leaf.dtype_name:
+        return source
+    return _cast_leaf(source, old_leaf.dtype_name, keypath, report)
+
+
+# --- cast and scale -------------------------------------------------------------------------
+
+
+def _cast(leaves, text, what, report):
+    pattern_text, dtype_text = _split(text, "--cast", "PATTERN=DTYPE")
+    dtype_name = _dtypes.parse(dtype_text)
+    keypaths = _targets(leaves, pattern_text, "--cast")
+    for keypath in keypaths:
+        old = leaves[keypath]
+        leaf = _leaf.as_leaf(old)
+        if leaf.dtype_name == dtype_name:
+            continue
+        leaves[keypath] = _cast_leaf(leaf, dtype_name, format_keypath(keypath), report)
+        what.setdefault(keypath, []).append(f"cast to {dtype_name}")
+
+
+def _cast_leaf(source, dtype_name, keypath, report):
+    """A computed leaf: ``source`` cast to ``dtype_name``, warning when finite values overflow."""
+    import numpy as np
+
+    dtype = _dtypes.numpy_dtype(dtype_name)
+    check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
+    overflowed = [0]
+
+    def compute(start: int, stop: int):
+        chunk = source.read_flat(start, stop)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = chunk.astype(dtype)
+        if check:
+            overflowed[0] += int(np.count_nonzero(np.isfinite(chunk.astype(np.float64))
+                                                  & ~np.isfinite(out.astype(np.float64))))
+            if stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
+                report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
+                                       "and became inf")
+        return out
+
+    return _leaf.ComputedLeaf(source.shape, dtype_name, compute)
+
+
+def _scale(leaves, text, what, report):
+    import numpy as np
+
+    pattern_text, factor_text = _split(text, "--scale", "PATTERN=FACTOR")
+    factor = _parse_number(factor_text, f"--scale {text!r}")
+    for keypath in _targets(leaves, pattern_text, "--scale"):
+        source = _leaf.as_leaf(leaves[keypath])
+
+        def compute(start, stop, source=source):
+            chunk = source.read_flat(start, stop)
+            return (chunk.astype(np.float64) * factor).astype(source.dtype)
+
+        leaves[keypath] = _leaf.ComputedLeaf(source.shape, source.dtype_name, compute)
+        what.setdefault(keypath, []).append(f"scaled by {factor:g}")
+
+
+def _targets(leaves, pattern_text, option) -> list[tuple]:
+    """Leaves a cast/scale pattern addresses: a wildcard pattern takes float leaves only;
+    a key path named exactly is taken whatever its dtype (scale still needs a float)."""
+    pattern = _keypath.parse(pattern_text)
+    covered = [kp for kp in leaves if _keypath.covers(pattern, kp)]
+    if not covered:
+        raise _tree.no_match(_tree.unflatten(list(leaves.items())) if leaves else {}, pattern_text,
+                             f"{option} {pattern_text!r} matches nothing")
+    exact = _keypath.is_literal(pattern) and len(covered) == 1 and _keypath.matches(pattern, covered[0])
+    arrays = [kp for kp in covered if _leaf.is_array(leaves[kp])]
+    if exact:
+        if not arrays:
+            raise UsageError(f"{option}: not an array ({_tree.describe_leaf(leaves[covered[0]])})",
+                             keypath=format_keypath(covered[0]))
+        if option == "--scale" and not _dtypes.is_float(_leaf.as_leaf(leaves[arrays[0]]).dtype_name):
+            raise UsageError(f"--scale applies to floating-point leaves; this one is "
+                             f"{_leaf.as_leaf(leaves[arrays[0]]).dtype_name}", keypath=format_keypath(arrays[0]))
+        return arrays
+    floats = [kp for kp in arrays if _dtypes.is_float(_leaf.as_leaf(leaves[kp]).dtype_name)]
+    if not floats:
+        raise KeyPathError(f"{option} {pattern_text!r} matches no floating-point leaf", keypath=pattern_text)
+    return floats
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _split(text: str, option: str, form: str) -> tuple[str, str]:
+    try:
+        left, right = _keypath.split_assignment(text)
+    except KeyPathError:
+        raise UsageError(f"{option} {text!r}: expected {form}") from None
+    left, right = left.strip(), right.strip()
+    if not left or not right:
+        raise UsageError(f"{option} {text!r}: expected {form}")
+    _keypath.parse(left)
+    return left, right
+
+
+def _resolve_one(leaves: dict, text: str, option: str) -> tuple:
+    pattern = _keypath.parse(text)
+    exact = [kp for kp in leaves if _keypath.matches(pattern, kp)]
+    if len(exact) == 1:
+        return exact[0]
+    if len(exact) > 1:
+        raise UsageError(f"{option} names one leaf; {text!r} matches {len(exact)}", keypath=text)
+    under = [kp for kp in leaves if _keypath.covers(pattern, kp)]
+    if under:
+        raise UsageError(f"{option}: {text!r} is a subtree of {len(under)} leaves, not a leaf; "
+                         f"set each leaf (e.g. {format_keypath(under[0])})", keypath=text)
+    raise _tree.no_match(_tree.unflatten(list(leaves.items())) if leaves else {}, text, "no such key path")
+
+
+def _parse_number(text: str, where: str) -> float:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return 1.0 if lowered == "true" else 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{where}: {text!r} is not a number (or @file.npy)") from None
+    return int(value) if value.is_integer() and "." not in text and "e" not in lowered else value
+
+
+_MISSING = object()
+
+
+def at(tree: Any, where: str | list[str], replace: Any = _MISSING,
+       replace_fn: Callable[[Any], Any] | None = None) -> Any:
+    """``eqx.tree_at`` with key-path strings: a new tree with the nodes at ``where`` replaced.
+
+    Args:
+        where: a key path, or a list of them (each must name one existing node;
+            ``None`` leaves can be addressed).
+        replace: the new value (a list of values, one per key path, when ``where`` is a list).
+        replace_fn: or a function of the old node (exactly one of the two).
+
+    Raises:
+        KeyPathError: a key path that names no node (closest named) or several.
+
+    Example:
+        >>> treecli.at(params, "head.bias", replace_fn=np.zeros_like)
+    """
+    if (replace is _MISSING) == (replace_fn is None):
+        raise UsageError("at() takes exactly one of replace= and replace_fn=")
+    wheres = [where] if isinstance(where, str) else list(where)
+    if replace_fn is not None:
+        values = [None] * len(wheres)
+    elif isinstance(where, str):
+        values = [replace]
+    else:
+        values = list(replace)
+        if len(values) != len(wheres):
+            raise UsageError(f"{len(values)} replacements for {len(wheres)} key paths")
+    for text, value in zip(wheres, values):
+        found = _tree.find(tree, text)
+        if len(found) != 1:
+            raise (_tree.no_match(tree, text) if not found
+                   else KeyPathError(f"names {len(found)} nodes; give one key path", keypath=text))
+        tree = _replace(tree, found[0], replace_fn(_tree.get(tree, found[0])) if replace_fn else value)
+    return tree
+
+
+def _replace(node: Any, keypath: tuple, value: Any) -> Any:
+    if not keypath:
+        return value
+    key, rest = keypath[0], keypath[1:]
+    if isinstance(node, dict):
+        return {k: (_replace(v, rest, value) if k == key else v) for k, v in node.items()}
+    items = [(_replace(v, rest, value) if i == key else v) for i, v in enumerate(node)]
+    if isinstance(node, list):
+        return items
+    return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)

@@ -1,0 +1,89 @@
+"""``treecli edit``: ``tree_at`` surgery from the shell."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input, write_output
+from treecli.cli._output import Output
+
+_Many = Optional[list[str]]
+
+
+def edit(
+    checkpoint: opt.CheckpointArg,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
+                                                   show_default=False)] = None,
+    rename: Annotated[_Many, typer.Option("--rename", help="OLD=NEW: a key path, a prefix, or ** captures "
+                                          "carried over ('_orig_mod.**=**'). Applied first.",
+                                          show_default=False)] = None,
+    delete: Annotated[_Many, typer.Option("--delete", help="PATTERN: leaves or whole subtrees.",
+                                          show_default=False)] = None,
+    set_: Annotated[_Many, typer.Option("--set", help="KEYPATH=VALUE: a number broadcast to the leaf's shape "
+                                        "and dtype, or @file.npy.", show_default=False)] = None,
+    cast: Annotated[_Many, typer.Option("--cast", help="PATTERN=DTYPE: wildcards cast float leaves only; a key "
+                                        "path named exactly is cast whatever its dtype.", show_default=False)] = None,
+    scale: Annotated[_Many, typer.Option("--scale", help="PATTERN=FACTOR: multiply float leaves.",
+                                         show_default=False)] = None,
+    allow_reshape: Annotated[bool, typer.Option("--allow-reshape", help="Let --set @file.npy change the "
+                                                "leaf's shape.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change (key path, shape and dtype "
+                                          "before -> after); read no data, write nothing.")] = False,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Replace the input atomically (a new file "
+                                           "renamed over it when complete).")] = False,
+    format: opt.OutputFormatOpt = None,
+    input_format: opt.InputFormatOpt = None,
+    step: opt.StepOpt = None,
+    force: opt.ForceOpt = False,
+    max_shard_size: opt.MaxShardOpt = None,
+    drop_unsupported: opt.DropUnsupportedOpt = False,
+    json: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Edit leaves by key path: rename, delete, set, cast, scale — in that order.
+
+    Every leaf you do not name is copied bit-exactly, without being decoded.
+
+    Examples:
+
+        treecli edit ckpt.safetensors -o fixed.safetensors --rename '_orig_mod.**=**'
+
+        treecli edit ckpt -o out --delete opt_state --cast 'embed.**=bfloat16' --set head.bias=0
+
+        treecli edit ckpt.safetensors --set 'head.kernel=@new_head.npy' --in-place
+
+        treecli edit ckpt.safetensors --scale 'head.kernel=0.5' --dry-run
+    """
+    from treecli import _render
+    from treecli._edit import Edits
+    from treecli._edit import edit as edit_tree
+    from treecli._errors import UsageError
+
+    out = Output(quiet=quiet)
+    if in_place and output is not None:
+        raise UsageError("give either -o OUTPUT or --in-place, not both")
+    if output is None and not in_place and not dry_run:
+        raise UsageError("give -o OUTPUT, --in-place, or --dry-run")
+    edits = Edits(rename=rename or [], delete=delete or [], set=set_ or [], cast=cast or [], scale=scale or [],
+                  allow_reshape=allow_reshape)
+    if not any((edits.rename, edits.delete, edits.set, edits.cast, edits.scale)):
+        raise UsageError("nothing to do: give --rename, --delete, --set, --cast or --scale")
+    with open_input(out, checkpoint, input_format, step) as ckpt:
+        tree, report = edit_tree(ckpt.tree, edits)
+        if dry_run:
+            if json:
+                out.json({"changes": [{"keypath": k, "before": b, "after": a, "what": w} for k, b, a, w in report.rows]})
+            else:
+                out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))
+            return
+        target = checkpoint if in_place else output
+        write_output(out, tree, target, source=ckpt, inputs=[checkpoint], format=format, force=force,
+                     in_place=in_place, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported,
+                     mode=os.stat(checkpoint).st_mode & 0o7777 if in_place else None)
+        for line in report.warnings:
+            out.warn(line)
