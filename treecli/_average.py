@@ -156,7 +156,13 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
 
     def compute(start: int, stop: int):
         out = np.empty(stop - start, out_np)
-        _leaf.in_two_halves(fill, start, stop, out, SUB_CHUNK)
+        if in_dtype.itemsize < 4:
+            # Casting 16-bit floats is compute-bound: use the second core too. For
+            # fp32 the writer's prefetch thread already keeps both cores busy, and a
+            # third thread measured slower (1.6 s alone vs 2.2 s split, 3 x 0.5 GiB).
+            _leaf.in_two_halves(fill, start, stop, out, SUB_CHUNK)
+        else:
+            fill(start, stop, out)
         return out
 
     def fill(start: int, stop: int, out) -> None:
