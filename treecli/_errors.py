@@ -40,9 +40,10 @@ class TreecliError(Exception):
         parts.append(self.message)
         return ": ".join(parts)
 
-    def with_file(self, file: str) -> "TreecliError":
-        """Attach the file when the raiser did not know it; returns self."""
-        if self.file is None:
+    def with_file(self, file: str, replace: str | None = None) -> "TreecliError":
+        """Attach the file when the raiser did not know it (or knew it as ``replace``,
+        a temporary name the user never typed); returns self."""
+        if self.file is None or (replace is not None and self.file.startswith(replace)):
             self.file = str(file)
             self.args = (self.headline(),)
         return self

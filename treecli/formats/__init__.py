@@ -17,7 +17,7 @@ from treecli.formats import _foreign
 from treecli.formats._base import Checkpoint, WriteOptions
 
 # Order matters only for sniffing: the first format whose sniff accepts wins.
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "orbax")
 
 
 def get(name: str) -> Any:
@@ -124,6 +124,7 @@ def save(
     _atomic.check_output(target, list(inputs), force=force, in_place=in_place)
     if target.is_dir() and not _is_replaceable_directory(target):
         raise UsageError("output is a directory that is not a checkpoint; refusing to replace it", file=str(target))
+    tmp_prefix = str(target.parent / _atomic.TMP_PREFIX)
     try:
         if is_dir:
             with _atomic.atomic_directory(target) as tmp:
@@ -137,7 +138,7 @@ def save(
             with _atomic.atomic_file(target, mode=mode) as tmp:
                 fmt.write(tree, tmp, options)
     except TreecliError as e:
-        raise e.with_file(str(target))
+        raise e.with_file(str(target), replace=tmp_prefix)
     except OSError as e:
         raise TreecliError(f"cannot write: {e.strerror or e}", file=str(target)) from e
     return target

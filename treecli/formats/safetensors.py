@@ -335,11 +335,13 @@ def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tu
     if unsupported:
         if not options.drop_unsupported:
             raise TreecliError(
-                f"safetensors cannot hold {len(unsupported)} leaves (use --drop-unsupported to drop them)",
+                f"safetensors cannot hold {len(unsupported)} {'leaf' if len(unsupported) == 1 else 'leaves'} "
+                "(use --drop-unsupported to drop them)",
                 file=file, details=unsupported,
             )
         if options.warn:
-            options.warn(f"dropped {len(unsupported)} leaves safetensors cannot hold: {', '.join(unsupported[:20])}")
+            options.warn(f"dropped {len(unsupported)} {'leaf' if len(unsupported) == 1 else 'leaves'} safetensors "
+                         f"cannot hold: {', '.join(unsupported[:20])}")
     return entries
 
 

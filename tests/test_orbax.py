@@ -1,0 +1,176 @@
+"""Orbax checkpoints built by Orbax itself (StandardCheckpointer, PyTreeCheckpointer,
+CheckpointManager), read by treecli without restoring them."""
+
+import json
+import shutil
+from collections import namedtuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import treecli
+from treecli._errors import FormatError, UsageError
+
+from .conftest import BF16, assert_clean_error, bits, snapshot
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+AdamState = namedtuple("AdamState", ["count", "mu", "nu"])
+
+
+def train_state(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"dense": {"kernel": rng.standard_normal((4, 3)).astype(np.float32),
+                        "bias": np.zeros(3, np.float32)},
+              "embed": rng.standard_normal((5, 4)).astype(BF16)}
+    zeros = {"dense": {"kernel": np.zeros((4, 3), np.float32), "bias": np.zeros(3, np.float32)},
+             "embed": np.zeros((5, 4), BF16)}
+    return {"step": np.asarray(3, np.int32), "params": params,
+            "opt_state": [AdamState(np.asarray(3, np.int32), zeros, zeros), None]}
+
+
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory):
+    path = tmp_path_factory.mktemp("orbax") / "ckpt"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(path), train_state())
+    return path
+
+
+@pytest.fixture(scope="module")
+def manager_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("orbax") / "run"
+    with ocp.CheckpointManager(str(root)) as manager:
+        for step in (10, 20):
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(train_state(step)),
+                                                       meta=ocp.args.JsonSave({"step": step, "tags": ["a"]})))
+        manager.wait_until_finished()
+    return root
+
+
+def leaves_of(tree):
+    from treecli import _tree
+    from treecli._keypath import format_keypath
+
+    return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree)}
+
+
+def test_standard_checkpoint_shows_shapes_dtypes_and_values(cli, standard):
+    document = cli("show", standard, "--json").json
+    assert document["format"] == "orbax"
+    by_path = {leaf["keypath"]: leaf for leaf in document["leaves"]}
+    assert by_path["params.embed"] == {"keypath": "params.embed", "shape": [5, 4], "dtype": "bfloat16", "nbytes": 40}
+    assert by_path["step"]["dtype"] == "int32" and by_path["step"]["shape"] == []
+    assert by_path["opt_state.0.count"]["dtype"] == "int32"
+    assert by_path["opt_state.1"] == {"keypath": "opt_state.1", "type": "none", "value": None}
+    assert document["total_params"] == 1 + 12 + 3 + 20 + 1 + 2 * 35
+
+
+def test_leaves_read_lazily_and_bit_exactly(standard):
+    state = train_state()
+    leaves = leaves_of(treecli.load(standard))
+    assert bits(leaves["params.embed"].read()) == bits(state["params"]["embed"])
+    assert leaves["params.dense.kernel"].read((slice(1, 3), 0)).tolist() == state["params"]["dense"]["kernel"][1:3, 0].tolist()
+
+
+def test_manager_root_lists_steps_and_items_and_takes_step(cli, manager_root):
+    result = cli("show", manager_root)
+    assert result.code == 0, result.stderr
+    assert "steps: 10, 20" in result.stdout and "step: 20" in result.stdout and "items: meta, state" in result.stdout
+    document = cli("show", manager_root, "--step", "10", "--json").json
+    by_path = {leaf["keypath"]: leaf for leaf in document["leaves"]}
+    assert by_path["meta.step"] == {"keypath": "meta.step", "type": "int", "value": 10}
+    assert by_path["state.params.embed"]["dtype"] == "bfloat16"
+    assert document["step"] == 10 and document["steps"] == [10, 20]
+    assert_clean_error(cli("show", manager_root, "--step", "15"), "no committed step 15")
+
+
+def test_unfinished_steps_are_ignored_with_a_note(cli, manager_root, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(manager_root, root)
+    (root / "30.orbax-checkpoint-tmp-123").mkdir()
+    result = cli("show", root, "--json")
+    assert result.json["step"] == 20
+    assert "unfinished step directories: 30.orbax-checkpoint-tmp-123" in result.stderr
+
+
+def test_pytree_checkpointer_mixed_leaves(tmp_path):
+    path = tmp_path / "mixed"
+    tree = {"bf16": np.ones((2, 3), BF16), "ints": np.arange(4, dtype=np.int32), "mask": np.array([True, False]),
+            "py_int": 42, "py_float": 0.5, "name": "demo", "nothing": None, "empty": {}}
+    ocp.PyTreeCheckpointer().save(str(path), tree)
+    leaves = leaves_of(treecli.load(path))
+    assert leaves["py_int"] == 42 and leaves["py_float"] == 0.5 and leaves["name"] == "demo"
+    assert leaves["nothing"] is None and leaves["empty"] == {}
+    assert leaves["bf16"].dtype_name == "bfloat16" and leaves["mask"].read().tolist() == [True, False]
+
+
+def test_orbax_to_safetensors_and_back_is_bit_exact(cli, standard, tmp_path):
+    st = tmp_path / "out.safetensors"
+    result = cli("edit", standard, "--drop-unsupported", "--scale", "params.dense.bias=1", "-o", st)
+    assert result.code == 0, result.stderr
+    assert "opt_state.1 (None)" in result.stderr
+    tensors = load_file(str(st))
+    assert bits(tensors["params.embed"]) == bits(train_state()["params"]["embed"])
+    back = tmp_path / "back"
+    result = cli("slice", st, "--index", "params.embed=:", "-o", back, "--format", "orbax")
+    assert result.code == 0, result.stderr
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(str(back))
+    assert restored["params"]["embed"].dtype == BF16
+    assert bits(np.asarray(restored["params"]["embed"])) == bits(tensors["params.embed"])
+    assert np.asarray(restored["step"]).dtype == np.int32
+
+
+def test_bad_orbax_directories_get_one_clear_line(cli, standard, tmp_path):
+    def copy(name):
+        target = tmp_path / name
+        shutil.copytree(standard, target)
+        return target
+
+    no_meta = copy("no_meta")
+    (no_meta / "_METADATA").unlink()
+    assert_clean_error(cli("show", no_meta), str(no_meta))
+    corrupt = copy("corrupt")
+    (corrupt / "_METADATA").write_text("{not json")
+    assert_clean_error(cli("show", corrupt), "JSON")
+    no_data = copy("no_data")
+    shutil.rmtree(no_data / "ocdbt.process_0")
+    shutil.rmtree(no_data / "d")
+    result = cli("show", no_data)
+    assert_clean_error(result, str(no_data))
+    escaping = copy("escaping")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host file")
+    (escaping / "link").symlink_to(secret)
+    assert_clean_error(cli("show", escaping), "leaves the checkpoint directory")
+    unfinished = tmp_path / "ckpt.orbax-checkpoint-tmp-99"
+    shutil.copytree(standard, unfinished)
+    assert_clean_error(cli("show", unfinished), "incomplete checkpoint")
+    assert_clean_error(cli("show", standard, "--step", "3"), "CheckpointManager root")
+
+
+def test_metadata_that_disagrees_with_the_data_is_an_error(cli, tmp_path):
+    import jax.numpy as jnp
+
+    target = tmp_path / "lying"
+    with ocp.StandardCheckpointer() as checkpointer:  # jax.Array leaves: Orbax records their write_shape
+        checkpointer.save(str(target), {"params": {"embed": jnp.ones((5, 4), jnp.bfloat16)}})
+    meta = json.loads((target / "_METADATA").read_text())
+    for entry in meta["tree_metadata"].values():
+        if entry["value_metadata"].get("write_shape") == [5, 4]:
+            entry["value_metadata"]["write_shape"] = [2**40]
+    (target / "_METADATA").write_text(json.dumps(meta))
+    assert_clean_error(cli("show", target), "params.embed", "_METADATA says [1099511627776]")
+
+
+def test_show_of_orbax_never_imports_jax(standard):
+    import subprocess
+    import sys
+
+    code = (f"from treecli.cli import main; main(['show', {str(standard)!r}]); import sys; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'orbax')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"

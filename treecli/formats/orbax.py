@@ -1,0 +1,312 @@
+"""Orbax checkpoints: a PyTree checkpoint directory, a CheckpointManager step,
+or a CheckpointManager root (``--step``, default the latest committed one).
+
+Read without Orbax and without matching the saving machine's devices: the
+tree, shapes and value types come from ``_METADATA`` (JSON); dtypes from each
+array's zarr metadata, opened with tensorstore (which orbax-checkpoint brings)
+without reading array data. tensorstore is imported only here, when an Orbax
+checkpoint is opened. Writing uses Orbax's own ``StandardCheckpointer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from treecli import _leaf, _tree
+from treecli._errors import FormatError, TreecliError, UsageError
+from treecli.formats._base import Checkpoint, WriteOptions
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
+
+
+class _Format:
+    name = "orbax"
+    extensions: tuple[str, ...] = ()
+    separator = None
+
+    def sniff(self, path: Path) -> str | None:
+        if not path.is_dir():
+            return "not a directory"
+        if (path / "_METADATA").is_file() or (path / "_CHECKPOINT_METADATA").is_file() or _steps(path)[0]:
+            return None
+        return "no _METADATA, _CHECKPOINT_METADATA or step directories"
+
+    def open(self, path: Path, step: int | None = None, **_: Any) -> Checkpoint:
+        path = Path(path)
+        _refuse_escaping_symlinks(path)
+        steps, pending = _steps(path)
+        if steps:
+            return _open_manager_root(path, steps, pending, step)
+        if step is not None:
+            raise UsageError("--step applies to a CheckpointManager root; this is a single checkpoint", file=str(path))
+        if _TMP_MARK in path.name:
+            raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=str(path))
+        if (path / "_METADATA").is_file():
+            checkpoint = Checkpoint(tree=None, format="orbax", file=str(path))
+            checkpoint.tree = _open_pytree(path, checkpoint)
+            return checkpoint
+        return _open_step(path)
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        _write(tree, target, options)
+
+
+FORMAT = _Format()
+
+
+# --- layout ---------------------------------------------------------------------------------
+
+
+def _steps(root: Path) -> tuple[list[int], list[str]]:
+    """Committed step numbers under a CheckpointManager root, and the unfinished ones."""
+    steps, pending = [], []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return [], []
+    for entry in entries:
+        if not entry.is_dir():
+            continue
+        if _TMP_MARK in entry.name:
+            pending.append(entry.name)
+        elif entry.name.isdigit() and (entry / "_CHECKPOINT_METADATA").is_file():
+            steps.append(int(entry.name))
+    return sorted(steps), sorted(pending)
+
+
+def _open_manager_root(root: Path, steps: list[int], pending: list[str], step: int | None) -> Checkpoint:
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise UsageError(f"no committed step {chosen}; steps: {', '.join(map(str, steps))}", file=str(root))
+    checkpoint = _open_step(root / str(chosen))
+    checkpoint.file = str(root)
+    checkpoint.info = {"steps": steps, "step": chosen, **checkpoint.info}
+    if pending:
+        checkpoint.warnings.append(f"ignoring unfinished step directories: {', '.join(pending)}")
+    return checkpoint
+
+
+def _open_step(step_dir: Path) -> Checkpoint:
+    """A CheckpointManager step: each item (a PyTree or a JSON file) is a top-level subtree."""
+    if not (step_dir / "_CHECKPOINT_METADATA").is_file():
+        raise FormatError("not an Orbax checkpoint: no _METADATA or _CHECKPOINT_METADATA", file=str(step_dir))
+    handlers = _read_json(step_dir / "_CHECKPOINT_METADATA")
+    if isinstance(handlers, dict) and isinstance(handlers.get("item_handlers"), str):
+        # A single-item checkpoint (StandardCheckpointer): its tree lives in _METADATA.
+        raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=str(step_dir))
+    checkpoint = Checkpoint(tree={}, format="orbax", file=str(step_dir))
+    for item in sorted(p for p in step_dir.iterdir() if p.is_dir()):
+        if (item / "_METADATA").is_file():
+            checkpoint.tree[item.name] = _open_pytree(item, checkpoint)
+        elif (item / "metadata").is_file():  # JsonSave writes ITEM/metadata
+            checkpoint.tree[item.name] = _read_json(item / "metadata")
+    if not checkpoint.tree:
+        raise FormatError("no readable items (each needs _METADATA or a JSON metadata file)", file=str(step_dir))
+    checkpoint.info["items"] = sorted(checkpoint.tree)
+    return checkpoint
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"cannot read it as JSON: {e}", file=str(path)) from None
+
+
+def _refuse_escaping_symlinks(root: Path) -> None:
+    """A symlink whose target lies outside the checkpoint could leak host files into outputs."""
+    real_root = os.path.realpath(root)
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            entry = os.path.join(directory, name)
+            if os.path.islink(entry):
+                target = os.path.realpath(entry)
+                if os.path.commonpath([real_root, target]) != real_root:
+                    raise FormatError(f"symlink {os.path.relpath(entry, root)} leaves the checkpoint directory "
+                                      f"(-> {target}); refusing to read it", file=str(root))
+
+
+# --- the tree -------------------------------------------------------------------------------
+
+
+def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
+    metadata = _read_json(directory / "_METADATA")
+    tree_metadata = metadata.get("tree_metadata") if isinstance(metadata, dict) else None
+    if not isinstance(tree_metadata, dict):
+        raise FormatError("_METADATA has no tree_metadata object (missing or corrupt)", file=str(directory))
+    strings_path = directory / "_strings.json"
+    strings = _read_json(strings_path) if strings_path.is_file() else {}
+    entries = []
+    for raw, entry in tree_metadata.items():
+        try:
+            keypath = tuple(int(k["key"]) if k["key_type"] == 1 else str(k["key"]) for k in entry["key_metadata"])
+            value = entry["value_metadata"]
+            value_type = value["value_type"]
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"_METADATA entry {raw!r} is malformed", file=str(directory)) from None
+        entries.append((keypath, value_type, value.get("write_shape")))
+    arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
+    stores = _open_arrays(directory, metadata, [kp for kp, _ in arrays])
+    items = []
+    for keypath, kind, write_shape in entries:
+        name = ".".join(str(k) for k in keypath)
+        if kind in _ARRAY_TYPES:
+            store = stores[keypath]
+            if write_shape is not None and list(store.shape) != list(write_shape):
+                raise FormatError(f"stored data has shape {list(store.shape)} but _METADATA says {write_shape}",
+                                  file=str(directory), keypath=name)
+            leaf = OrbaxLeaf(store, str(directory), name)
+            items.append((keypath, leaf.read().item() if kind == "scalar" else leaf))
+        elif kind == "string":
+            items.append((keypath, strings.get(name)))
+        elif kind == "None":
+            items.append((keypath, None))
+        elif kind in ("Dict", "List"):
+            items.append((keypath, {} if kind == "Dict" else []))
+        else:
+            checkpoint.warnings.append(f"{name}: value type {kind!r} is not understood; shown as None")
+            items.append((keypath, None))
+    return _build(items)
+
+
+def _build(items: list[tuple[tuple, Any]]) -> Any:
+    """Nested dicts and lists from ``(keypath, leaf)``: int keys make lists."""
+    if not items:
+        return {}
+    root: dict = {}
+    for keypath, leaf in items:
+        node = root
+        for key in keypath[:-1]:
+            node = node.setdefault(key, {})
+        node[keypath[-1]] = leaf
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        node = {k: lists(v) for k, v in node.items()}
+        if all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+            return [node[i] for i in range(len(node))]
+        return node
+
+    return lists(root)
+
+
+def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict[tuple, Any]:
+    """Open every array's tensorstore (metadata only), all at once."""
+    import tensorstore as ts
+
+    driver = "zarr3" if metadata.get("use_zarr3") else "zarr"
+    base = f"file://{os.path.abspath(directory)}"
+    futures = {}
+    for keypath in keypaths:
+        name = ".".join(str(k) for k in keypath)
+        if metadata.get("use_ocdbt", True):
+            kvstore = {"driver": "ocdbt", "base": base, "path": name}
+        else:
+            kvstore = {"driver": "file", "path": os.path.join(os.path.abspath(directory), name) + "/"}
+        futures[keypath] = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True)
+    stores = {}
+    for keypath, future in futures.items():
+        try:
+            stores[keypath] = future.result()
+        except Exception as e:  # tensorstore raises ValueError and friends with long messages
+            message = str(e).splitlines()[0][:200]
+            raise FormatError(f"array data is missing or unreadable: {message}", file=str(directory),
+                              keypath=".".join(str(k) for k in keypath)) from None
+    return stores
+
+
+class OrbaxLeaf(_leaf.ArrayLeaf):
+    """An array in an Orbax checkpoint. Orbax stores each array compressed (one
+    zstd chunk in 0.12), so chunked reads decompress the leaf once and keep it
+    until the last chunk has been served: one leaf in memory at a time."""
+
+    def __init__(self, store: Any, file: str, name: str):
+        self._store = store
+        self._file = file
+        self._name = name
+        self.shape = tuple(int(d) for d in store.shape)
+        self.dtype_name = store.dtype.numpy_dtype.name
+        self._cache = None
+
+    def _whole(self):
+        if self._cache is None:
+            try:
+                self._cache = self._store.read().result().reshape(-1)
+            except Exception as e:
+                raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
+                                  keypath=self._name) from None
+        return self._cache
+
+    def read_flat(self, start: int, stop: int):
+        data = self._whole()[start:stop]
+        if stop >= self.size:
+            self._cache = None
+        return data.copy() if stop < self.size else data
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        if self._cache is not None:
+            return np.array(self._cache.reshape(self.shape)[index], copy=True)
+        try:
+            whole = self._store.read().result()
+        except Exception as e:
+            raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
+                              keypath=self._name) from None
+        return np.array(whole[index], copy=True)
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+def _write(tree: Any, target: Path, options: WriteOptions) -> None:
+    """Save with Orbax's StandardCheckpointer, which needs the whole tree in memory."""
+    import numpy as np
+
+    needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
+    available = _available_memory()
+    if available is not None and needed * 2 > available:
+        raise TreecliError(f"Orbax's writer needs the whole output in memory: {needed / 2**30:.1f} GiB, twice over, "
+                           f"but {available / 2**30:.1f} GiB is available; write safetensors instead")
+    unsupported = [_tree.describe_leaf(x) for _, x in _tree.flatten(tree)
+                   if _leaf.is_array(x) and 0 in tuple(_leaf.as_leaf(x).shape)]
+    if unsupported and not options.drop_unsupported:
+        raise TreecliError(f"Orbax cannot hold {len(unsupported)} zero-size arrays (use --drop-unsupported)",
+                           details=unsupported)
+
+    def materialize(keypath: tuple, x: Any) -> Any:
+        if _leaf.is_array(x):
+            leaf = _leaf.as_leaf(x)
+            if leaf.size == 0:
+                return None
+            array = leaf.read()
+            if options.progress:
+                options.progress(leaf.nbytes)
+            return np.asarray(array)
+        return x
+
+    import orbax.checkpoint as ocp
+
+    data = _tree.map_leaves(materialize, tree)
+    checkpointer = ocp.StandardCheckpointer()
+    # target is the empty temporary directory the atomic writer made; Orbax writes
+    # into it (force) and treecli renames it into place when Orbax has finished.
+    checkpointer.save(os.path.abspath(target), data, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
