@@ -174,3 +174,17 @@ def test_show_of_orbax_never_imports_jax(standard):
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'orbax')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_orbax_output_that_would_not_fit_in_memory_is_refused(cli, tmp_path, monkeypatch):
+    from treecli.formats import orbax
+
+    monkeypatch.setattr(orbax, "_available_memory", lambda: 1000)
+    path = tmp_path / "in.safetensors"
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros(1000, np.float32)}, str(path))
+    before = snapshot(tmp_path)
+    assert_clean_error(cli("edit", path, "--scale", "w=2", "-o", tmp_path / "out", "--format", "orbax"),
+                       "needs the whole output in memory")
+    assert snapshot(tmp_path) == before

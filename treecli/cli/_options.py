@@ -21,8 +21,9 @@ FormatOpt = Annotated[
 ]
 OutputFormatOpt = Annotated[
     Optional[str],
-    typer.Option("--format", "-f", help="Format of the output (default: from the -o name, else the input's).",
-                 show_default=False),
+    typer.Option("--format", "-f", help="Format of the output: safetensors or orbax (default: from the -o name, "
+                 "else the input's). Orbax's writer holds the whole output in memory (about 4x its size); "
+                 "safetensors streams.", show_default=False),
 ]
 InputFormatOpt = Annotated[
     Optional[str],
