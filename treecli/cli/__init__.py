@@ -12,13 +12,17 @@ import sys
 import typer
 
 from treecli.cli.average import average
+from treecli.cli.convert import convert
+from treecli.cli.diff import diff
 from treecli.cli.edit import edit
+from treecli.cli.get import get
 from treecli.cli.show import show
 from treecli.cli.slice import slice_
 
 app = typer.Typer(
     name="treecli",
-    help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit.",
+    help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit, diff, "
+    "convert, get.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -40,13 +44,16 @@ def _root(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
 ) -> None:
-    """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit."""
+    """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit, diff, convert, get."""
 
 
 app.command()(show)
 app.command("slice")(slice_)
 app.command()(average)
 app.command()(edit)
+app.command()(diff)
+app.command()(convert)
+app.command()(get)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from treecli import _leaf, _tree
 from treecli._errors import FormatError, TreecliError, UsageError
+from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, WriteOptions
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -276,17 +277,20 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         raise TreecliError(f"Orbax's writer needs the whole output in memory, about {_MEMORY_FACTOR}x its "
                            f"{needed / 2**30:.1f} GiB, but {available / 2**30:.1f} GiB is available; "
                            "write safetensors instead (-o out.safetensors)")
-    unsupported = [_tree.describe_leaf(x) for _, x in _tree.flatten(tree)
-                   if _leaf.is_array(x) and 0 in tuple(_leaf.as_leaf(x).shape)]
-    if unsupported and not options.drop_unsupported:
-        raise TreecliError(f"Orbax cannot hold {len(unsupported)} zero-size arrays (use --drop-unsupported)",
-                           details=unsupported)
+    items = _tree.flatten(tree)
+    zero_size = [kp for kp, x in items if _leaf.is_array(x) and _leaf.as_leaf(x).size == 0]
+    if zero_size:
+        listed = [f"{format_keypath(kp)} ({_tree.describe_leaf(_tree.get(tree, kp))})" for kp in zero_size]
+        if not options.drop_unsupported:
+            raise TreecliError(f"Orbax cannot hold {len(listed)} zero-size arrays (use --drop-unsupported to drop "
+                               "them)", details=listed)
+        if options.warn:
+            options.warn(f"dropped {len(listed)} zero-size arrays Orbax cannot hold: {', '.join(listed[:20])}")
+        tree = _tree.unflatten([(kp, x) for kp, x in items if kp not in zero_size], template=tree)
 
     def materialize(keypath: tuple, x: Any) -> Any:
         if _leaf.is_array(x):
             leaf = _leaf.as_leaf(x)
-            if leaf.size == 0:
-                return None
             array = leaf.read()
             if options.progress:
                 options.progress(leaf.nbytes)

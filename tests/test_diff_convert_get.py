@@ -1,0 +1,88 @@
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import treecli
+from treecli._diff import diff
+
+from .conftest import BF16, assert_clean_error, bits, snapshot
+
+
+def _pair(tmp_path, change):
+    a = {"m.w": np.arange(6, dtype=np.float32).reshape(2, 3), "m.b": np.zeros(2, BF16), "step": np.asarray(1)}
+    b = dict(a)
+    change(b)
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    return tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+
+
+def test_diff_equal_is_exit_0_and_different_is_exit_1(cli, tmp_path):
+    a, b = _pair(tmp_path, lambda t: None)
+    assert cli("diff", a, b).code == 0
+    a, b = _pair(tmp_path, lambda t: t.update({"m.w": t["m.w"] + np.float32(0.5), "extra": np.ones(1)}))
+    result = cli("diff", a, b, "--json")
+    assert result.code == 1
+    assert result.json == {"equal": False, "only_in_a": [], "only_in_b": ["extra"],
+                           "changed": [{"keypath": "m.w", "a": "[2, 3] float32", "b": "[2, 3] float32",
+                                        "max_abs_diff": 0.5, "max_rel_diff": 0.5 / 0.5}]}
+    assert cli("diff", a, b, "--atol", "0.6", "--where", "m.**").code == 0
+
+
+def test_diff_shape_dtype_changes_and_nan(tmp_path):
+    x = {"w": np.array([np.nan, 1.0], np.float32), "v": np.zeros(2, np.float32), "s": np.zeros(3, np.float32)}
+    y = {"w": np.array([np.nan, 1.0], np.float32), "v": np.zeros(2, np.float16), "s": np.zeros(4, np.float32)}
+    result = diff(x, y, atol=0.0)
+    assert [(c.keypath, c.a, c.b) for c in result.changed] == [("s", "[3] float32", "[4] float32"),
+                                                               ("v", "[2] float32", "[2] float16")]
+    neg = diff({"z": np.array([0.0], np.float32)}, {"z": np.array([-0.0], np.float32)})
+    assert not neg.equal  # exact compares bytes: -0.0 differs
+    assert diff({"z": np.array([0.0])}, {"z": np.array([-0.0])}, rtol=0.0).equal
+
+
+def test_convert_safetensors_to_orbax_and_back_verifies_bit_exactness(cli, mixed_file, tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    path, tensors = mixed_file
+    orbax_dir = tmp_path / "orbax"
+    result = cli("convert", path, orbax_dir, "--format", "orbax", "--drop-unsupported")
+    assert result.code == 0, result.stderr
+    assert "verified" in result.stderr and "empty" in result.stderr  # the zero-size leaf was dropped
+    back = tmp_path / "back.safetensors"
+    assert cli("convert", orbax_dir, back).code == 0
+    leaves = {".".join(map(str, kp)): leaf for kp, leaf in __import__("treecli._tree").
+              _tree.flatten(treecli.load(back))}
+    for name, array in tensors.items():
+        if array.size:
+            assert bits(leaves[name].read()) == bits(array), name
+
+
+def test_convert_refuses_what_the_target_cannot_hold(cli, tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp
+
+    src = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer().save(str(src), {"w": np.ones(2, np.float32), "name": "x", "none": None})
+    before = snapshot(tmp_path)
+    assert_clean_error(cli("convert", src, tmp_path / "o.safetensors"), "cannot hold 2 leaves")
+    assert snapshot(tmp_path) == before
+
+
+def test_convert_dtype_casts_float_leaves(cli, mixed_file, tmp_path):
+    path, _ = mixed_file
+    out = tmp_path / "f16.safetensors"
+    assert cli("convert", path, out, "--dtype", "float16").code == 0
+    dtypes = {leaf["keypath"]: leaf["dtype"] for leaf in cli("show", out, "--json").json["leaves"]}
+    assert dtypes["model.embed.weight"] == "float16" and dtypes["model.int8"] == "int8" and dtypes["step"] == "int64"
+
+
+def test_get_prints_writes_npy_and_refuses_subtrees(cli, mixed_file, tmp_path):
+    path, tensors = mixed_file
+    printed = cli("get", path, "model.layers.0.attn.q.weight", "--json").json
+    assert printed["shape"] == [4, 4] and np.allclose(printed["value"], tensors["model.layers.0.attn.q.weight"])
+    assert cli("get", path, "step").stdout.splitlines()[-1] == str(2**40 + 3)
+    out = tmp_path / "q.npy"
+    assert cli("get", path, "model.layers.0.attn.q.weight", "-o", out).code == 0
+    assert bits(np.load(out)) == bits(tensors["model.layers.0.attn.q.weight"])
+    assert_clean_error(cli("get", path, "model.layers"), "is a subtree")
+    assert_clean_error(cli("get", path, "model.embed.weight", "-o", tmp_path / "e.npy"), "cannot name bfloat16")
+    assert_clean_error(cli("get", path, "model.embd"), "closest: model.embed")

@@ -1,0 +1,143 @@
+"""``diff``: compare two trees leaf by leaf, streaming one pair of leaves at a time.
+
+Exact by default (the bytes, so NaN payloads and -0.0 count); with ``rtol`` /
+``atol``, numerically as ``np.isclose`` does, NaN equal to NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli._keypath import format_keypath
+
+
+@dataclass
+class Change:
+    keypath: str
+    a: str  # description in a: "[2, 3] float32", or a value
+    b: str
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+
+
+@dataclass
+class DiffResult:
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    changed: list[Change] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not (self.only_in_a or self.only_in_b or self.changed)
+
+    def as_json(self) -> dict[str, Any]:
+        def number(x: float | None) -> Any:
+            if x is None or math.isfinite(x):
+                return x
+            return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+        return {"equal": self.equal, "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
+                "changed": [{"keypath": c.keypath, "a": c.a, "b": c.b, "max_abs_diff": number(c.max_abs_diff),
+                             "max_rel_diff": number(c.max_rel_diff)} for c in self.changed]}
+
+
+def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None, where: list[str] = (),
+         progress=None) -> DiffResult:
+    """Compare two trees: key paths only in one, shape/dtype changes, value differences.
+
+    Args:
+        rtol, atol: compare numerically (``|a - b| <= atol + rtol * |b|``, NaN equal
+            to NaN); default exact, byte for byte.
+        where: only key paths covered by these patterns.
+    """
+    patterns = [_keypath.parse(w) for w in where]
+    # Keyed by the text form, so that list index 0 (Orbax) and string key "0"
+    # (safetensors) are the same key path: `opt_state.0.mu` either way.
+    flat_a = {format_keypath(kp): (kp, leaf) for kp, leaf in _tree.flatten(a)}
+    flat_b = {format_keypath(kp): (kp, leaf) for kp, leaf in _tree.flatten(b)}
+
+    def wanted(kp: tuple) -> bool:
+        return not patterns or any(_keypath.covers(p, kp) for p in patterns)
+
+    result = DiffResult()
+    keypaths = {text: kp for text, (kp, _) in {**flat_b, **flat_a}.items()}
+    order = sorted(keypaths, key=lambda t: tuple(_keypath.natural_sort_key(k) for k in keypaths[t]))
+    for text in order:
+        if not wanted(keypaths[text]):
+            continue
+        if text not in flat_b:
+            result.only_in_a.append(text or "<root>")
+        elif text not in flat_a:
+            result.only_in_b.append(text or "<root>")
+        else:
+            change = _compare(flat_a[text][1], flat_b[text][1], text or "<root>", rtol, atol, progress)
+            if change is not None:
+                result.changed.append(change)
+    return result
+
+
+def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
+    described = (_tree.describe_leaf(x), _tree.describe_leaf(y))
+    if not (_leaf.is_array(x) and _leaf.is_array(y)):
+        if _leaf.is_array(x) or _leaf.is_array(y) or type(x) is not type(y) or not _same_value(x, y):
+            return Change(text, _describe_value(x), _describe_value(y))
+        return None
+    if described[0] != described[1]:
+        return Change(text, *described)
+    return _compare_arrays(_leaf.as_leaf(x), _leaf.as_leaf(y), text, rtol, atol, progress)
+
+
+def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
+    import numpy as np
+
+    numeric = x.dtype.kind in "biuc" or _dtypes.is_float(x.dtype_name)
+    exact = rtol is None and atol is None
+    differs = False
+    max_abs = max_rel = 0.0
+    for start, stop in x.chunk_ranges():
+        cx, cy = x.read_flat(start, stop), y.read_flat(start, stop)
+        if progress:
+            progress(cx.nbytes + cy.nbytes)
+        if exact:
+            same = cx.view(np.uint8).tobytes() == cy.view(np.uint8).tobytes()
+        else:
+            fx, fy = cx.astype(np.complex128 if x.dtype.kind == "c" else np.float64), \
+                cy.astype(np.complex128 if y.dtype.kind == "c" else np.float64)
+            same = bool(np.all(np.isclose(fx, fy, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True)))
+        if same:
+            continue
+        differs = True
+        if numeric:
+            fx = cx.astype(np.complex128 if x.dtype.kind == "c" else np.float64)
+            fy = cy.astype(np.complex128 if y.dtype.kind == "c" else np.float64)
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                both_nan = np.isnan(fx) & np.isnan(fy)
+                delta = np.where(both_nan, 0.0, np.abs(fx - fy))
+                rel = np.where(delta == 0, 0.0, delta / np.abs(fy))
+            max_abs = max(max_abs, float(np.nanmax(delta)) if delta.size else 0.0)
+            if np.isnan(delta).any():
+                max_abs = float("nan")
+            max_rel = max(max_rel, float(np.nanmax(rel)) if rel.size else 0.0)
+    if not differs:
+        return None
+    description = _tree.describe_leaf(x)
+    return Change(text, description, description, max_abs if numeric else None, max_rel if numeric else None)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+def _describe_value(value: Any) -> str:
+    if _leaf.is_array(value):
+        return _tree.describe_leaf(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

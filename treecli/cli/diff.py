@@ -1,0 +1,66 @@
+"""``treecli diff``: compare two checkpoints of any formats, like ``diff``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input
+from treecli.cli._output import Output
+
+
+def diff(
+    a: Annotated[Path, typer.Argument(help="First checkpoint.", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="Second checkpoint.", show_default=False)],
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Compare numerically with this relative "
+                                                  "tolerance (default: exact bytes).", show_default=False)] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Compare numerically with this absolute "
+                                                  "tolerance (default: exact bytes).", show_default=False)] = None,
+    where: opt.WhereOpt = None,
+    json: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+) -> int:
+    """Compare two checkpoints: key paths only in one, shape/dtype changes, value differences.
+
+    Exit 0 when equal, 1 when different, 2 on error. Streams one pair of leaves
+    at a time. NaN equals NaN under --rtol/--atol.
+
+    Examples:
+
+        treecli diff model.safetensors converted_dir
+
+        treecli diff run1/step_100 run2/step_100 --atol 1e-6 --where 'params.**'
+    """
+    from treecli import _diff, _render
+
+    out = Output(quiet=quiet)
+    with open_input(out, a) as left, open_input(out, b) as right:
+        total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
+        with out.progress("comparing", total * 2) as advance:
+            result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance)
+    if json:
+        out.json(result.as_json())
+    elif result.equal:
+        out.note("no differences")
+    else:
+        rows = [[f"- {k}", "only in a", "", "", ""] for k in result.only_in_a]
+        rows += [[f"+ {k}", "only in b", "", "", ""] for k in result.only_in_b]
+        for c in result.changed:
+            same = c.a == c.b
+            rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
+                         "values differ" if same else "", _number(c.max_abs_diff), _number(c.max_rel_diff)])
+        out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
+    return 0 if result.equal else 1
+
+
+def _leaves(tree):
+    from treecli import _leaf, _tree
+
+    return [_leaf.as_leaf(x) for _, x in _tree.flatten(tree) if _leaf.is_array(x)]
+
+
+def _number(x) -> str:
+    return "" if x is None else f"{x:.4g}"

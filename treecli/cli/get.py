@@ -1,0 +1,86 @@
+"""``treecli get``: one leaf, printed or written to .npy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input
+from treecli.cli._output import Output
+
+
+def get(
+    checkpoint: opt.CheckpointArg,
+    keypath: Annotated[str, typer.Argument(help="Key path of one leaf, e.g. model.embed_tokens.weight.",
+                                           autocompletion=opt.complete_keypaths, show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the leaf to this .npy file.",
+                                                   show_default=False)] = None,
+    format: opt.FormatOpt = None,
+    step: opt.StepOpt = None,
+    force: opt.ForceOpt = False,
+    json: opt.JsonOpt = False,
+) -> None:
+    """Print one leaf (summarised when large) or write it to a .npy file.
+
+    Examples:
+
+        treecli get model.safetensors model.norm.weight
+
+        treecli get ckpt_dir params.dense.kernel -o kernel.npy
+    """
+    from treecli import _leaf, _summary, _tree
+    from treecli._errors import UsageError
+
+    out = Output()
+    with open_input(out, checkpoint, format, step) as ckpt:
+        found = _tree.resolve(ckpt.tree, keypath)
+        if len(found) > 1:
+            raise UsageError(f"names {len(found)} nodes; give one key path", file=str(checkpoint), keypath=keypath)
+        node = _tree.get(ckpt.tree, found[0])
+        if _tree.is_node(node):
+            raise UsageError("is a subtree, not a leaf; see it with: treecli show CKPT --where " + keypath,
+                             file=str(checkpoint), keypath=keypath)
+        if not _leaf.is_array(node):
+            if output is not None:
+                raise UsageError(f"is a {_summary.value_type(node)} value, not an array; it cannot go to .npy",
+                                 file=str(checkpoint), keypath=keypath)
+            out.json({"keypath": keypath, "type": _summary.value_type(node), "value": _summary.json_value(node)}) \
+                if json else out.print(repr(node))
+            return
+        leaf = _leaf.as_leaf(node)
+        if output is not None:
+            _write_npy(leaf, output, force, keypath)
+            out.note(f"wrote {output}")
+            return
+        data = leaf.read()
+        if json:
+            out.json({"keypath": keypath, "shape": list(leaf.shape), "dtype": leaf.dtype_name,
+                      "value": data.astype("float64").tolist() if leaf.dtype.kind == "V" else data.tolist()})
+            return
+        import numpy as np
+
+        out.print(f"{keypath}  {list(leaf.shape)} {leaf.dtype_name}")
+        with np.printoptions(threshold=200, edgeitems=3, linewidth=120):
+            out.print(np.array2string(data.astype(np.float32) if data.dtype.kind == "V" else data))
+
+
+def _write_npy(leaf, path: Path, force: bool, keypath: str) -> None:
+    """A .npy file, streamed chunk by chunk through the atomic writer."""
+    import numpy as np
+
+    from treecli import _atomic, _leaf
+    from treecli._errors import UsageError
+
+    if leaf.dtype.kind == "V" or leaf.dtype.name.startswith(("bfloat", "float8", "float4", "float6")):
+        raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
+                         "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",
+                         file=str(path), keypath=keypath)
+    _atomic.check_output(path, [], force=force)
+    with _atomic.atomic_file(path) as tmp, open(tmp, "xb") as f:
+        np.lib.format.write_array_header_2_0(
+            f, {"descr": np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False, "shape": leaf.shape})
+        for chunk in _leaf.iter_chunks(leaf):
+            f.write(chunk.reshape(-1).view(np.uint8))
