@@ -39,6 +39,11 @@ def name(dtype: Any) -> str:
     return getattr(dtype, "name", None) or str(dtype)
 
 
+def needs_ml_dtypes(dtype_name: str) -> bool:
+    """bfloat16, fp8, fp6, fp4, int4...: dtypes NumPy has no name for."""
+    return dtype_name in _ML_DTYPES
+
+
 def itemsize(dtype_name: str) -> int:
     size = _ITEMSIZE.get(dtype_name)
     return size if size is not None else numpy_dtype(dtype_name).itemsize

@@ -1,0 +1,130 @@
+import io
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import treecli
+from treecli._errors import FormatError, RefusedError
+
+from .conftest import BF16, assert_clean_error, bits, snapshot
+
+
+def leaves_of(path):
+    from treecli import _tree
+    from treecli._keypath import format_keypath
+
+    return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(treecli.load(path))}
+
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_reads_numpy_written_npz_lazily_and_bit_exactly(tmp_path, save):
+    arrays = {"params/dense/kernel": np.arange(12, dtype=np.float32).reshape(3, 4),
+              "params/dense/bias": np.array([1, -2], ">i4"),  # big-endian
+              "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+              "step": np.asarray(7, np.int64), "empty": np.zeros((0, 3), np.float16)}
+    path = tmp_path / "a.npz"
+    save(path, **arrays)
+    leaves = leaves_of(path)
+    assert set(leaves) == {"params.dense.kernel", "params.dense.bias", "fortran", "step", "empty"}
+    for key, array in arrays.items():
+        got = leaves[key.replace("/", ".")].read()
+        assert got.shape == array.shape and np.array_equal(got, array), key
+    assert leaves["params.dense.bias"].dtype_name == "int32"
+    assert leaves["params.dense.kernel"].read((slice(1, 2),)).tolist() == [[4, 5, 6, 7]]
+
+
+def test_treecli_npz_keeps_bf16_and_fp8_and_round_trips(tmp_path):
+    tree = {"a": {"bf": np.array([1.5, -2], BF16), "f8": np.array([0.5, 448], ml_dtypes.float8_e4m3fn)},
+            "i": np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max]), "nan": np.array([np.nan, -0.0])}
+    first = treecli.save(tree, tmp_path / "x.npz")
+    leaves = leaves_of(first)
+    assert leaves["a.bf"].dtype_name == "bfloat16" and leaves["a.f8"].dtype_name == "float8_e4m3fn"
+    for key, array in [("a.bf", tree["a"]["bf"]), ("a.f8", tree["a"]["f8"]), ("i", tree["i"]), ("nan", tree["nan"])]:
+        assert bits(leaves[key].read()) == bits(array)
+    second = treecli.save(treecli.load(first), tmp_path / "y.npz")
+    assert first.read_bytes() == second.read_bytes()  # deterministic: two saves, same bytes
+    assert np.load(first)["i"].tolist() == tree["i"].tolist()  # still an ordinary npz for NumPy
+
+
+def test_void_members_from_elsewhere_are_shown_with_a_warning(tmp_path):
+    path = tmp_path / "v.npz"
+    np.savez(path, w=np.ones(3, BF16))
+    with treecli.open(path) as ckpt:
+        assert ckpt.tree["w"].dtype_name == "V2"
+        assert "raw void dtypes" in ckpt.warnings[0]
+
+
+def _zip(path, members):
+    import warnings
+
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as z:
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate names we write on purpose
+        for name, data in members:
+            z.writestr(name, data)
+    return path
+
+
+def _npy(header: str, data: bytes = b"") -> bytes:
+    text = header.encode("latin1")
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+def test_object_arrays_are_refused_and_never_unpickled(tmp_path, cli):
+    sentinel = tmp_path / "SENTINEL"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([Evil()], dtype=object), allow_pickle=True)
+    path = _zip(tmp_path / "evil.npz", [("w.npy", buffer.getvalue())])
+    result = cli("show", path)
+    assert_clean_error(result, "refused", "unpickles")
+    assert not sentinel.exists()
+
+
+@pytest.mark.parametrize(
+    "members, fragment",
+    [
+        ([("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", b"\0" * 8)),
+          ("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", b"\0" * 4))], "duplicate"),
+        ([("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776,), }"))], "holds 0 bytes"),
+        ([("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (18446744073709551616,), }"))],
+         "bad shape"),
+        ([("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': " + "1" * 20000 + "}"))],
+         "too large"),
+        ([("w.npy", b"not numpy at all")], "no .npy magic"),
+        ([("w.npy", _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", b"\0" * 4))], "holds 4 bytes"),
+    ],
+)
+def test_hostile_members_are_format_errors(tmp_path, members, fragment):
+    path = _zip(tmp_path / "bad.npz", members)
+    with pytest.raises(FormatError) as info:
+        treecli.load(path)
+    assert fragment in str(info.value)
+
+
+def test_a_deflate_bomb_is_refused_before_allocation(tmp_path):
+    bomb = _npy("{'descr': '<f4', 'fortran_order': False, 'shape': (10,), }", b"\0" * 40) + b"\0" * (64 << 20)
+    path = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("w.npy", bomb)
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(FormatError, match="holds"):
+        treecli.load(path)
+
+
+def test_cli_npz_to_safetensors_and_back(cli, tmp_path):
+    src = tmp_path / "a.npz"
+    np.savez(src, **{"enc/w": np.ones((2, 2), np.float32), "enc/b": np.zeros(2, np.float32)})
+    assert cli("convert", src, tmp_path / "a.safetensors").code == 0
+    assert cli("convert", tmp_path / "a.safetensors", tmp_path / "b.npz").code == 0
+    assert cli("diff", src, tmp_path / "b.npz").code == 0
+    before = snapshot(tmp_path)
+    assert_clean_error(cli("convert", tmp_path / "a.safetensors", tmp_path / "c.npz", "--dtype", "nope"),
+                       "unknown dtype")
+    assert snapshot(tmp_path) == before

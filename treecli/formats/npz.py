@@ -1,0 +1,277 @@
+"""NumPy ``.npz``: a zip of ``.npy`` members, keys split on ``/`` into a tree.
+
+Members stored uncompressed are read lazily with ``preadv`` at their offset in
+the zip; compressed members (``np.savez_compressed``) are decompressed one leaf
+at a time. Every member's header is validated before anything is allocated:
+shape x itemsize must equal the member's declared size (a forged shape or a
+zip bomb is an error, never an allocation), duplicate member names are refused,
+and object arrays are refused because loading them unpickles.
+
+NumPy has no names for bfloat16 or fp8 and saves them as raw void bytes
+(``V2``); treecli writes the real dtypes to a ``__treecli__.json`` member and
+restores them. A ``V`` member from elsewhere is shown as such, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from treecli import _dtypes, _leaf
+from treecli._errors import FormatError, RefusedError, TreecliError
+from treecli._keypath import format_keypath
+from treecli.formats import _flatkeys
+from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._filedata import FileArrayLeaf, FileReader
+
+METADATA_MEMBER = "__treecli__.json"
+_FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
+_MAX_HEADER = 10_000  # NumPy's own limit for .npy headers
+
+
+class _Format:
+    name = "npz"
+    extensions = (".npz",)
+    separator = "/"
+
+    def sniff(self, path: Path) -> str | None:
+        if path.is_dir():
+            return "a directory"
+        try:
+            with open(path, "rb") as f:
+                if f.read(4) != b"PK\x03\x04":
+                    return "not a zip file"
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except (OSError, zipfile.BadZipFile, ValueError) as e:
+            return f"not a readable zip ({e})"
+        if names and all(n.endswith(".npy") or n == METADATA_MEMBER for n in names):
+            return None
+        return "a zip without .npy members"
+
+    def open(self, path: Path, **_: Any) -> Checkpoint:
+        return _open(Path(path))
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        if target.is_dir():
+            raise TreecliError("npz output must be a file ending in .npz", file=str(target))
+        _write(tree, target, options)
+
+
+FORMAT = _Format()
+
+
+def _open(path: Path) -> Checkpoint:
+    file = str(path)
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise FormatError(f"not a readable zip: {e}", file=file) from None
+    with archive:
+        infos = archive.infolist()
+        names = [i.filename for i in infos]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise FormatError(f"duplicate member names: {', '.join(duplicates)}", file=file)
+        real_dtypes = {}
+        if METADATA_MEMBER in names:
+            try:
+                real_dtypes = json.loads(archive.read(METADATA_MEMBER)).get("dtypes", {})
+            except (ValueError, AttributeError):
+                raise FormatError(f"{METADATA_MEMBER} is not valid JSON", file=file) from None
+        checkpoint = Checkpoint(tree=None, format="npz", file=file)
+        reader = FileReader(file)
+        checkpoint._closers.append(reader.close)
+        items = []
+        void = []
+        for info in infos:
+            if info.filename == METADATA_MEMBER:
+                continue
+            if not info.filename.endswith(".npy"):
+                checkpoint.warnings.append(f"ignoring member {info.filename!r}: not a .npy array")
+                continue
+            key = info.filename[: -len(".npy")]
+            leaf = _member_leaf(path, archive, info, reader, real_dtypes.get(key), key)
+            if leaf.dtype_name.startswith("V") and key not in real_dtypes:
+                void.append((key, leaf.dtype_name))
+            items.append((key, leaf))
+        if void:
+            checkpoint.warnings.append(
+                f"{len(void)} members have raw void dtypes (e.g. {void[0][0]!r}: {void[0][1]}); NumPy writes "
+                "bfloat16/fp8 this way and cannot say which, so they are shown as void")
+    checkpoint.tree, warning = _flatkeys.nest(items, "/")
+    if warning:
+        checkpoint.warnings.append(warning)
+    return checkpoint
+
+
+def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, reader: FileReader,
+                 real_dtype: str | None, key: str) -> _leaf.ArrayLeaf:
+    import numpy as np
+
+    file = str(path)
+    with archive.open(info) as stream:
+        head = stream.read(min(info.file_size, _MAX_HEADER + 12))
+    try:
+        magic = head[:8]
+        if magic[:6] != b"\x93NUMPY":
+            raise ValueError("no .npy magic")
+        major = magic[6]
+        if major == 1:
+            (header_len,), start = struct.unpack("<H", head[8:10]), 10
+        elif major in (2, 3):
+            (header_len,), start = struct.unpack("<I", head[8:12]), 12
+        else:
+            raise ValueError(f"unknown .npy version {major}")
+        if header_len > _MAX_HEADER or start + header_len > len(head):
+            raise ValueError(f"header of {header_len} bytes is too large or truncated")
+        header_text = head[start : start + header_len].decode("latin1" if major < 3 else "utf8")
+        header = _parse_header(header_text)
+    except (ValueError, struct.error, UnicodeDecodeError) as e:
+        raise FormatError(f"member is not a valid .npy array: {e}", file=file, keypath=key) from None
+    descr, fortran, shape = header
+    try:
+        dtype = np.dtype(np.lib.format.descr_to_dtype(descr))
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"unknown dtype {descr!r}: {e}", file=file, keypath=key) from None
+    if dtype.hasobject:
+        raise RefusedError("refused: this member holds Python objects, and loading them unpickles (which can run "
+                           "code); treecli never does", file=file, keypath=key)
+    data_start = start + header_len
+    nbytes = 1
+    for d in shape:
+        nbytes *= d
+    nbytes *= dtype.itemsize
+    if data_start + nbytes != info.file_size:
+        raise FormatError(f"header declares shape {list(shape)} of {dtype} ({nbytes} bytes), but the member holds "
+                          f"{info.file_size - data_start} bytes of data", file=file, keypath=key)
+    # np.dtype("V2") parses back; its .name ("void16") does not.
+    name = real_dtype or (f"V{dtype.itemsize}" if dtype.kind == "V" else dtype.name)
+    if real_dtype and _dtypes.itemsize(real_dtype) != dtype.itemsize:
+        raise FormatError(f"{METADATA_MEMBER} says {real_dtype}, but the member stores {dtype.itemsize}-byte items",
+                          file=file, keypath=key)
+    native = dtype.byteorder in ("=", "|", "<")
+    if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
+        return FileArrayLeaf(reader, _data_offset(path, info) + data_start, tuple(shape), name)
+    return _WholeMemberLeaf(path, info, data_start, tuple(shape), dtype, name, fortran, key)
+
+
+def _parse_header(text: str) -> tuple[str | list, bool, tuple[int, ...]]:
+    """The .npy header dict, parsed without eval: ``{'descr': ..., 'fortran_order': ..., 'shape': (...)}``."""
+    import ast
+
+    try:
+        header = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError(f"unreadable header ({type(e).__name__})") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise ValueError("header is not {'descr', 'fortran_order', 'shape'}")
+    shape = header["shape"]
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
+                                               for d in shape):
+        raise ValueError(f"bad shape {shape!r}")
+    if not isinstance(header["fortran_order"], bool):
+        raise ValueError("fortran_order is not a bool")
+    return header["descr"], header["fortran_order"], shape
+
+
+def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored member's bytes start: after its local file header."""
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+class _WholeMemberLeaf(_leaf.ArrayLeaf):
+    """A compressed, Fortran-order or big-endian member: decompressed (and
+    reordered) whole on first use, kept until its last chunk has been served."""
+
+    def __init__(self, path: Path, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype, name: str,
+                 fortran: bool, key: str):
+        self._path, self._info, self._start = path, info, data_start
+        self._stored, self._fortran, self._key = stored_dtype, fortran, key
+        self.shape = shape
+        self.dtype_name = name
+        self._cache = None
+
+    def _whole(self):
+        import numpy as np
+
+        if self._cache is None:
+            try:
+                with zipfile.ZipFile(self._path) as z, z.open(self._info) as stream:
+                    stream.read(self._start)
+                    raw = stream.read(self._info.file_size - self._start)
+            except (zipfile.BadZipFile, OSError, EOFError) as e:  # CRC mismatch, truncated data
+                raise FormatError(f"cannot decompress the member: {e}", file=str(self._path),
+                                  keypath=self._key) from None
+            array = np.frombuffer(raw, self._stored)
+            if self._fortran:
+                array = array.reshape(self.shape[::-1]).T
+            array = np.ascontiguousarray(array.reshape(self.shape)).astype(self._stored.newbyteorder("="))
+            self._cache = array.reshape(-1).view(self.dtype)
+        return self._cache
+
+    def read_flat(self, start: int, stop: int):
+        data = self._whole()[start:stop]
+        if stop >= self.size:
+            self._cache = None
+        return data
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        return np.array(self._whole().reshape(self.shape)[index], copy=True)
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+def _write(tree: Any, target: Path, options: WriteOptions) -> None:
+    import numpy as np
+
+    entries, unsupported = [], []
+    for key, keypath, leaf in _flatkeys.flatten_for_writing(tree, "/", str(target)):
+        if _leaf.is_array(leaf):
+            entries.append((key, _leaf.as_leaf(leaf)))
+        else:
+            unsupported.append(f"{format_keypath(keypath)} ({'None' if leaf is None else type(leaf).__name__})")
+    if unsupported:
+        if not options.drop_unsupported:
+            raise TreecliError(f"npz cannot hold {len(unsupported)} non-array leaves (use --drop-unsupported to "
+                               "drop them)", file=str(target), details=unsupported)
+        if options.warn:
+            options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")
+    real_dtypes = {}
+    with zipfile.ZipFile(target, "x", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, leaf in entries:
+            dtype = leaf.dtype
+            if dtype.kind == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):
+                real_dtypes[key] = leaf.dtype_name
+                descr = f"|V{dtype.itemsize}"
+            else:
+                descr = np.lib.format.dtype_to_descr(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
+            info = zipfile.ZipInfo(key + ".npy", date_time=_FIXED_TIME)
+            info.compress_type = zipfile.ZIP_STORED
+            info.file_size = leaf.nbytes  # a hint: zipfile picks zip64 when large
+            with archive.open(info, "w", force_zip64=leaf.nbytes > 2**31) as member:
+                header = {"descr": descr, "fortran_order": False, "shape": tuple(leaf.shape)}
+                try:
+                    np.lib.format.write_array_header_1_0(member, header)
+                except ValueError:  # a header over 64 KiB needs format 2.0
+                    np.lib.format.write_array_header_2_0(member, header)
+                for chunk in _leaf.iter_chunks(leaf):
+                    raw = chunk.reshape(-1).view(np.uint8)
+                    member.write(raw)
+                    if options.progress:
+                        options.progress(raw.nbytes)
+        if real_dtypes:
+            info = zipfile.ZipInfo(METADATA_MEMBER, date_time=_FIXED_TIME)
+            archive.writestr(info, json.dumps({"dtypes": real_dtypes}, sort_keys=True))
