@@ -17,7 +17,7 @@ from treecli.formats import _foreign
 from treecli.formats._base import Checkpoint, WriteOptions
 
 # Order matters only for sniffing: the first format whose sniff accepts wins.
-FORMATS = ("safetensors", "npz", "orbax")
+FORMATS = ("safetensors", "npz", "msgpack", "eqx", "orbax")
 
 
 def get(name: str) -> Any:

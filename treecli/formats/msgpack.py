@@ -1,0 +1,184 @@
+"""Flax msgpack: the bytes of ``flax.serialization.to_bytes``, read without flax.
+
+The layout is a msgpack map of maps; arrays are msgpack extension type 1
+holding ``(shape, dtype name, raw bytes)``, NumPy scalars type 3, complex
+numbers type 2; arrays over 1 GiB are split into a ``__msgpack_chunked_array__``
+dict. Lists appear as ``{"0": ..., "1": ...}`` dicts (Flax's state dicts) and
+are shown as such. The format has no index, so the whole file is read; every
+extension is validated (known numeric dtype, byte length equal to shape x
+itemsize) and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from treecli import _dtypes, _leaf, _tree
+from treecli._errors import FormatError, TreecliError
+from treecli._keypath import format_keypath
+from treecli.formats._base import Checkpoint, WriteOptions
+
+_NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
+_CHUNKED = "__msgpack_chunked_array__"
+_MAX_CHUNK = 2**30  # Flax's MAX_CHUNK_SIZE
+_MAP_FIRST_BYTES = set(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+class _Format:
+    name = "msgpack"
+    extensions = (".msgpack",)
+    separator = None
+
+    def sniff(self, path: Path) -> str | None:
+        if path.is_dir():
+            return "a directory"
+        if not path.name.endswith(self.extensions):
+            return "not named *.msgpack"
+        with open(path, "rb") as f:
+            first = f.read(1)
+        return None if first and first[0] in _MAP_FIRST_BYTES else "does not start with a msgpack map"
+
+    def open(self, path: Path, **_: Any) -> Checkpoint:
+        return _open(Path(path))
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        if target.is_dir():
+            raise TreecliError("msgpack output must be a file ending in .msgpack", file=str(target))
+        _write(tree, target, options)
+
+
+FORMAT = _Format()
+
+
+def _open(path: Path) -> Checkpoint:
+    import msgpack
+    import numpy as np
+
+    file = str(path)
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        try:
+            if code in (_NDARRAY, _NPSCALAR):
+                shape, dtype_name, buffer = msgpack.unpackb(data, raw=False)
+                dtype = _known_dtype(dtype_name)
+                shape = tuple(shape)
+                if not all(isinstance(d, int) and d >= 0 for d in shape):
+                    raise ValueError(f"bad shape {list(shape)}")
+                if not isinstance(buffer, bytes) or len(buffer) != math.prod(shape) * dtype.itemsize:
+                    raise ValueError(f"shape {list(shape)} of {dtype_name} needs "
+                                     f"{math.prod(shape) * dtype.itemsize} bytes, the buffer has {len(buffer)}")
+                array = np.frombuffer(buffer, dtype).reshape(shape)
+                return _leaf.InMemoryLeaf(array) if code == _NDARRAY else array[()]
+            if code == _COMPLEX:
+                real, imag = msgpack.unpackb(data, raw=False)
+                return complex(real, imag)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise _BadExtension(str(e)) from None
+        raise _BadExtension(f"unknown msgpack extension type {code}")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except _BadExtension as e:
+        raise FormatError(f"bad array in the file: {e}", file=file) from None
+    except RecursionError:
+        raise FormatError("nested too deeply", file=file) from None
+    except (ValueError, msgpack.UnpackException, msgpack.ExtraData) as e:
+        raise FormatError(f"not valid msgpack: {type(e).__name__}: {str(e)[:200]}", file=file) from None
+    if not isinstance(tree, dict):
+        raise FormatError(f"the top level is a {type(tree).__name__}, not a map (Flax state dict)", file=file)
+    return Checkpoint(tree=_checked(tree, (), file), format="msgpack", file=file)
+
+
+class _BadExtension(Exception):
+    pass
+
+
+def _known_dtype(name: Any):
+    if not isinstance(name, str):
+        raise ValueError(f"dtype {name!r} is not a name")
+    dtype = _dtypes.numpy_dtype(name) if name in _dtypes._ITEMSIZE else None
+    if dtype is None:
+        raise ValueError(f"dtype {name!r} is not a numeric dtype treecli reads (objects are never unpickled)")
+    return dtype
+
+
+def _checked(node: Any, keypath: tuple, file: str) -> Any:
+    """Mixed key types at one level are an error; chunked arrays are reassembled."""
+    import numpy as np
+
+    if not isinstance(node, dict):
+        return node
+    if node.get(_CHUNKED) is True:
+        try:
+            shape = tuple(node["shape"][k] for k in sorted(node["shape"], key=int))
+            chunks = [node["chunks"][k] for k in sorted(node["chunks"], key=int)]
+            flat = np.concatenate([c.read().reshape(-1) for c in chunks])
+            return _leaf.InMemoryLeaf(flat.reshape(shape))
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise FormatError(f"bad chunked array: {type(e).__name__}: {e}", file=file,
+                              keypath=format_keypath(keypath)) from None
+    kinds = {type(k) for k in node}
+    if len(kinds) > 1 or not kinds <= {str, int}:
+        raise FormatError(f"keys of mixed types at one level ({', '.join(sorted(t.__name__ for t in kinds))})",
+                          file=file, keypath=format_keypath(keypath) or "<root>")
+    return {k: _checked(v, keypath + (k,), file) for k, v in node.items()}
+
+
+def _write(tree: Any, target: Path, options: WriteOptions) -> None:
+    """Stream the tree as Flax's layout, one leaf's bytes in memory at a time."""
+    import msgpack
+
+    packer = msgpack.Packer(use_bin_type=True)
+    with open(target, "xb") as f:
+
+        def emit(node: Any, keypath: tuple) -> None:
+            if _tree.is_node(node):
+                items = _tree.children(node)
+                f.write(packer.pack_map_header(len(items)))
+                for key, child in items:
+                    f.write(packer.pack(str(key)))  # Flax state dicts have string keys: lists become {"0": ...}
+                    emit(child, keypath + (key,))
+            elif _leaf.is_array(node):
+                leaf = _leaf.as_leaf(node)
+                if leaf.nbytes > _MAX_CHUNK:
+                    _emit_chunked(f, packer, leaf)
+                else:
+                    f.write(_array_ext(packer, leaf.shape, leaf.dtype_name, leaf.read()))
+                if options.progress:
+                    options.progress(leaf.nbytes)
+            elif isinstance(node, (dict, list, tuple)):
+                f.write(packer.pack({}))  # an empty node
+            else:
+                try:
+                    f.write(packer.pack(node))
+                except TypeError:
+                    raise TreecliError(f"msgpack cannot hold a {type(node).__name__}",
+                                       keypath=format_keypath(keypath)) from None
+
+        emit(tree, ())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _array_ext(packer: Any, shape: tuple, dtype_name: str, array: Any) -> bytes:
+    import msgpack
+
+    payload = msgpack.packb((list(shape), dtype_name, array.tobytes()), use_bin_type=True)
+    return packer.pack(msgpack.ExtType(_NDARRAY, payload))
+
+
+def _emit_chunked(f: Any, packer: Any, leaf: Any) -> None:
+    per = max(1, _MAX_CHUNK // leaf.itemsize)
+    starts = list(range(0, leaf.size, per))
+    f.write(packer.pack_map_header(3))
+    f.write(packer.pack(_CHUNKED) + packer.pack(True))
+    f.write(packer.pack("shape") + packer.pack({str(i): d for i, d in enumerate(leaf.shape)}))
+    f.write(packer.pack("chunks") + packer.pack_map_header(len(starts)))
+    for i, start in enumerate(starts):
+        chunk = leaf.read_flat(start, min(leaf.size, start + per))
+        f.write(packer.pack(str(i)) + _array_ext(packer, (chunk.size,), leaf.dtype_name, chunk))
