@@ -86,3 +86,25 @@ def test_get_prints_writes_npy_and_refuses_subtrees(cli, mixed_file, tmp_path):
     assert_clean_error(cli("get", path, "model.layers"), "is a subtree")
     assert_clean_error(cli("get", path, "model.embed.weight", "-o", tmp_path / "e.npy"), "cannot name bfloat16")
     assert_clean_error(cli("get", path, "model.embd"), "closest: model.embed")
+
+
+WRITABLE = {"safetensors": "x.safetensors", "npz": "x.npz", "msgpack": "x.msgpack", "orbax": "x_orbax"}
+
+
+@pytest.mark.parametrize("source", sorted(WRITABLE))
+def test_round_trips_between_every_pair_of_writable_formats(cli, tmp_path, source):
+    pytest.importorskip("orbax.checkpoint")  # every source converts to orbax too
+    import ml_dtypes
+
+    tree = {"enc": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1.5, -0.0], BF16)},
+            "f8": np.array([0.5, -2], ml_dtypes.float8_e4m3fn), "ids": np.array([2**40, -1], np.int64),
+            "mask": np.array([True, False]), "nan": np.array([np.nan], np.float16)}
+    start = tmp_path / WRITABLE[source]
+    treecli.save(tree, start, format=source)
+    for target in sorted(set(WRITABLE) - {source}):
+        out = tmp_path / f"from_{source}" / WRITABLE[target]
+        out.parent.mkdir(exist_ok=True)
+        result = cli("convert", start, out, "--format", target)
+        assert result.code == 0, (source, target, result.stderr)
+        assert "verified" in result.stderr
+        assert cli("diff", start, out).code == 0, (source, target)
