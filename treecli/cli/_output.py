@@ -13,16 +13,32 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from rich.console import Console
 
 
 class Output:
     def __init__(self, quiet: bool = False):
-        no_color = bool(os.environ.get("NO_COLOR"))
-        self.stdout = Console(file=sys.stdout, highlight=False, no_color=no_color, soft_wrap=False)
-        self.plain = not self.stdout.is_terminal or no_color
-        self.stderr = Console(file=sys.stderr, highlight=False, no_color=no_color, soft_wrap=True)
+        self._no_color = bool(os.environ.get("NO_COLOR"))
+        self.plain = self._no_color or not _isatty(sys.stdout)
         self.quiet = quiet
+        self._consoles: dict[str, Any] = {}
+
+    # Rich is imported only for a terminal or a progress bar: piped output is
+    # plain strings, and importing rich.console costs 40 ms of show's budget.
+    @property
+    def stdout(self):
+        return self._console("stdout", sys.stdout, soft_wrap=False)
+
+    @property
+    def stderr(self):
+        return self._console("stderr", sys.stderr, soft_wrap=True)
+
+    def _console(self, name: str, stream: Any, soft_wrap: bool):
+        if name not in self._consoles:
+            from rich.console import Console
+
+            self._consoles[name] = Console(file=stream, highlight=False, no_color=self._no_color,
+                                           soft_wrap=soft_wrap)
+        return self._consoles[name]
 
     def print(self, renderable: Any) -> None:
         self.stdout.print(renderable, markup=False)
@@ -58,7 +74,7 @@ class Output:
 
         Silent when stderr is not a terminal, with ``--quiet``, or for small work.
         """
-        if self.quiet or not self.stderr.is_terminal or total_bytes < threshold:
+        if self.quiet or total_bytes < threshold or not _isatty(sys.stderr):
             yield lambda n: None
             return
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -69,3 +85,10 @@ class Output:
         with Progress(*columns, console=self.stderr, transient=True) as bar:
             task = bar.add_task(description, total=total_bytes)
             yield lambda n: bar.advance(task, n)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
