@@ -11,7 +11,6 @@ import pytest
 from safetensors import deserialize
 from safetensors.numpy import load_file, save_file
 
-import treecli
 from treecli._edit import Edits, at, edit
 from treecli._errors import KeyPathError, UsageError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import treecli
-from treecli._errors import FormatError, RefusedError
+from treecli._errors import FormatError
 
 from .conftest import BF16, assert_clean_error, bits, snapshot
 

@@ -5,13 +5,11 @@ import json
 import shutil
 from collections import namedtuple
 
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 import treecli
-from treecli._errors import FormatError, UsageError
 
 from .conftest import BF16, assert_clean_error, bits, snapshot
 

@@ -14,7 +14,7 @@ from treecli import _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 
-from .conftest import BF16, bits, mixed_tensors, raw_safetensors
+from .conftest import BF16, bits, raw_safetensors
 
 
 def flat_leaves(tree):

@@ -25,15 +25,8 @@ def _umask() -> int:
     return mask
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (which makes renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -87,9 +80,9 @@ def atomic_file(target: Path, mode: int | None = None) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, (0o666 & ~_umask()) if mode is None else mode)
-        fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, target)
-        fsync_dir(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -111,20 +104,20 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         yield tmp
         for entry in tmp.iterdir():
             if entry.is_file():
-                fsync_file(entry)
-        fsync_dir(tmp)
+                fsync_path(entry)
+        fsync_path(tmp)
         if target.exists() or target.is_symlink():
             aside = _temp_name(target)
             os.rename(target, aside)
             os.rename(tmp, target)
-            fsync_dir(target.parent)
+            fsync_path(target.parent)
             if aside.is_dir() and not aside.is_symlink():
                 shutil.rmtree(aside, ignore_errors=True)
             else:
                 aside.unlink()
         else:
             os.rename(tmp, target)
-            fsync_dir(target.parent)
+            fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -176,15 +176,9 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
 
 
 def _build(items: list[tuple[tuple, Any]]) -> Any:
-    """Nested dicts and lists from ``(keypath, leaf)``: int keys make lists."""
+    """Nested dicts and lists from ``(keypath, leaf)``: int keys (Orbax's sequence keys) make lists."""
     if not items:
         return {}
-    root: dict = {}
-    for keypath, leaf in items:
-        node = root
-        for key in keypath[:-1]:
-            node = node.setdefault(key, {})
-        node[keypath[-1]] = leaf
 
     def lists(node: Any) -> Any:
         if not isinstance(node, dict) or not node:
@@ -194,7 +188,7 @@ def _build(items: list[tuple[tuple, Any]]) -> Any:
             return [node[i] for i in range(len(node))]
         return node
 
-    return lists(root)
+    return lists(_tree.unflatten(items))
 
 
 def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict[tuple, Any]:
