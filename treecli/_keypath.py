@@ -264,6 +264,7 @@ def _match(pattern: tuple, keypath: tuple, p: int, k: int, memo: dict) -> bool:
     return result
 
 
+@lru_cache(maxsize=1 << 16)  # keys repeat: "weight" 200k times in a big checkpoint
 def natural_sort_key(key: str | int) -> tuple:
     """Sort key for display order: ``layers.2`` before ``layers.10``."""
     if isinstance(key, int):

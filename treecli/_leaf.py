@@ -31,6 +31,8 @@ CHUNK_BYTES = 4 << 20
 class ArrayLeaf:
     """Base class: a lazily-read or computed array of known shape and dtype."""
 
+    __slots__ = ("__dict__",)  # subclasses may declare slots; the others keep a __dict__
+
     shape: tuple[int, ...]
     dtype_name: str
 

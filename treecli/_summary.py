@@ -10,7 +10,7 @@ from treecli import _dtypes, _keypath, _leaf, _tree
 from treecli._keypath import KeyPath, format_keypath
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     """One row of ``show``: an inner node with totals, an array leaf, or a value leaf."""
 
@@ -56,9 +56,13 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             return out if out.children or not keypath else None
         if patterns and not any(_keypath.covers(p, keypath) for _, p in patterns):
             return None
+        if isinstance(node, _leaf.ArrayLeaf):  # the common case, without is_array's hasattr probes
+            size = math.prod(node.shape)
+            return Node(key=key, keypath=keypath, kind="array", shape=node.shape, dtype=node.dtype_name,
+                        nbytes=size * _dtypes.itemsize(node.dtype_name), params=size, num_leaves=1)
         if _leaf.is_array(node):
             shape = tuple(int(d) for d in node.shape)
-            dtype = node.dtype_name if isinstance(node, _leaf.ArrayLeaf) else _dtypes.name(node.dtype)
+            dtype = _dtypes.name(node.dtype)
             size = math.prod(shape)
             return Node(key=key, keypath=keypath, kind="array", shape=shape, dtype=dtype,
                         nbytes=size * _dtypes.itemsize(dtype), params=size, num_leaves=1)

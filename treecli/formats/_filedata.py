@@ -59,6 +59,8 @@ class FileReader:
 class FileArrayLeaf(ArrayLeaf):
     """A leaf of ``shape`` and ``dtype`` stored in C order at ``offset`` of a file."""
 
+    __slots__ = ("reader", "offset", "shape", "dtype_name")  # 200k-tensor headers: keep leaves small
+
     def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader
         self.offset = offset

@@ -176,11 +176,13 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
 
 def _parse_json(text: str, file: str) -> Any:
     def no_duplicates(pairs: list) -> dict:
-        out: dict = {}
-        for key, value in pairs:
-            if key in out:
-                raise FormatError(f"duplicate key {key!r} in the header", file=file)
-            out[key] = value
+        out = dict(pairs)
+        if len(out) != len(pairs):  # only then look for which one
+            seen: set = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise FormatError(f"duplicate key {key!r} in the header", file=file)
+                seen.add(key)
         return out
 
     def no_constants(name: str) -> Any:
