@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     try:
         result = app(args=args, prog_name="treecli", standalone_mode=False)
+        if result == 130:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
+            sys.stderr.write("treecli: interrupted\n")
         return result if isinstance(result, int) else 0
     except typer.Exit as e:
         return e.exit_code

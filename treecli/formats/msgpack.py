@@ -87,7 +87,8 @@ def _open(path: Path) -> Checkpoint:
         raise FormatError(f"bad array in the file: {e}", file=file) from None
     except RecursionError:
         raise FormatError("nested too deeply", file=file) from None
-    except (ValueError, msgpack.UnpackException, msgpack.ExtraData) as e:
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException, msgpack.ExtraData) as e:
+        # TypeError: a map or list used as a key ("unhashable"); the rest: damaged bytes
         raise FormatError(f"not valid msgpack: {type(e).__name__}: {str(e)[:200]}", file=file) from None
     if not isinstance(tree, dict):
         raise FormatError(f"the top level is a {type(tree).__name__}, not a map (Flax state dict)", file=file)

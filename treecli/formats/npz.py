@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ from treecli.formats._filedata import FileArrayLeaf, FileReader
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
 _MAX_HEADER = 10_000  # NumPy's own limit for .npy headers
+# What zipfile raises on damaged archives: bad headers, CRC mismatches, truncated
+# streams, unknown or encrypted compression, corrupt deflate data.
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError, RuntimeError)
 
 
 class _Format:
@@ -80,8 +84,10 @@ def _open(path: Path) -> Checkpoint:
         if METADATA_MEMBER in names:
             try:
                 real_dtypes = json.loads(archive.read(METADATA_MEMBER)).get("dtypes", {})
-            except (ValueError, AttributeError):
-                raise FormatError(f"{METADATA_MEMBER} is not valid JSON", file=file) from None
+                if not isinstance(real_dtypes, dict) or not all(isinstance(v, str) for v in real_dtypes.values()):
+                    raise ValueError("dtypes is not an object of names")
+            except (*_ZIP_ERRORS, AttributeError):
+                raise FormatError(f"{METADATA_MEMBER} is damaged or not valid JSON", file=file) from None
         checkpoint = Checkpoint(tree=None, format="npz", file=file)
         reader = FileReader(file)
         checkpoint._closers.append(reader.close)
@@ -94,7 +100,10 @@ def _open(path: Path) -> Checkpoint:
                 checkpoint.warnings.append(f"ignoring member {info.filename!r}: not a .npy array")
                 continue
             key = info.filename[: -len(".npy")]
-            leaf = _member_leaf(path, archive, info, reader, real_dtypes.get(key), key)
+            try:
+                leaf = _member_leaf(path, archive, info, reader, real_dtypes.get(key), key)
+            except _ZIP_ERRORS as e:
+                raise FormatError(f"damaged zip member: {type(e).__name__}: {e}", file=file, keypath=key) from None
             if leaf.dtype_name.startswith("V") and key not in real_dtypes:
                 void.append((key, leaf.dtype_name))
             items.append((key, leaf))
@@ -209,7 +218,7 @@ class _WholeMemberLeaf(_leaf.ArrayLeaf):
                 with zipfile.ZipFile(self._path) as z, z.open(self._info) as stream:
                     stream.read(self._start)
                     raw = stream.read(self._info.file_size - self._start)
-            except (zipfile.BadZipFile, OSError, EOFError) as e:  # CRC mismatch, truncated data
+            except _ZIP_ERRORS as e:
                 raise FormatError(f"cannot decompress the member: {e}", file=str(self._path),
                                   keypath=self._key) from None
             array = np.frombuffer(raw, self._stored)

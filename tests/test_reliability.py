@@ -1,0 +1,252 @@
+"""Adversarial cases of RELIABILITY.md: real fault injection and fuzzed inputs.
+
+Oracles: E (one clean error line, exit 2), N (nothing written, no temporaries),
+U (input untouched), B (bit-exact)."""
+
+import errno
+import io
+import json
+import os
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import deserialize
+from safetensors.numpy import save_file
+
+import treecli
+from treecli._errors import TreecliError
+
+from .conftest import assert_clean_error, bits, snapshot
+
+RUN = [sys.executable, "-m", "treecli"]
+
+
+def _big_input(tmp_path, mib=128):
+    path = tmp_path / "big.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({f"l{i}": rng.standard_normal(1 << 20).astype(np.float32) for i in range(mib // 4)}, str(path))
+    return path
+
+
+def test_sigint_mid_write_exits_130_with_one_line_and_leaves_nothing(tmp_path):
+    src = _big_input(tmp_path)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"previous output")
+    before = snapshot(tmp_path)
+    proc = subprocess.Popen(RUN + ["edit", str(src), "-o", str(out), "--force", "--scale", "**=0.5"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while time.time() < deadline and not any(p.name.startswith(".treecli-tmp") for p in tmp_path.iterdir()):
+        time.sleep(0.01)  # wait until the temporary output exists: the write is under way
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the write finished before the signal arrived")
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["treecli: interrupted"]
+    assert snapshot(tmp_path) == before  # N and U: same files, same bytes, no temporaries
+
+
+def _limit_file_size(nbytes):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def test_file_too_large_is_a_clean_error_and_the_old_output_survives(tmp_path):
+    src = _big_input(tmp_path, mib=12)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"previous output")
+    before = snapshot(tmp_path)
+    result = subprocess.run(RUN + ["edit", str(src), "-o", str(out), "--force", "--scale", "**=2"],
+                            capture_output=True, text=True, preexec_fn=_limit_file_size(1 << 20))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0].startswith(f"treecli: error: {out}: cannot write: File too large")
+    assert "Traceback" not in result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_a_sharded_output_that_fails_after_shard_2_leaves_no_shard_and_no_index(tmp_path, monkeypatch):
+    from treecli.formats import WriteOptions, save
+    from treecli.formats import safetensors as st
+
+    tree = {f"l{i}": np.full(1000, i, np.float32) for i in range(4)}
+    out = tmp_path / "out"
+    save(tree, out, format="safetensors", options=WriteOptions(max_shard_size=4000))  # 4 shards
+    before = snapshot(tmp_path)
+    real, calls = st._write_file, []
+
+    def failing(path, *args):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args)
+
+    monkeypatch.setattr(st, "_write_file", failing)
+    with pytest.raises(TreecliError, match="No space left"):
+        save({k: v * 2 for k, v in tree.items()}, out, format="safetensors",
+             options=WriteOptions(max_shard_size=4000), force=True)
+    assert snapshot(tmp_path) == before  # the old complete set, no orphan shards, no temporaries
+
+
+def test_real_enospc_on_a_small_tmpfs(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root and a kernel that allows it here")
+    try:
+        src = _big_input(tmp_path, mib=12)
+        result = subprocess.run(RUN + ["edit", str(src), "-o", str(mount / "out.safetensors"), "--scale", "**=2"],
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and "No space left" in result.stderr.splitlines()[0]
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_tensor_past_4_gib_keeps_its_offsets(tmp_path):
+    """Sparse file: a 5 GiB tensor, then a small one whose bytes must come from past 2**32."""
+    big = 5 << 30
+    header = {"big": {"dtype": "U8", "shape": [big], "data_offsets": [0, big]},
+              "tail": {"dtype": "F32", "shape": [4], "data_offsets": [big, big + 16]}}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path = tmp_path / "huge.safetensors"
+    tail = np.array([1.5, -2.0, 3.25, 4.0], np.float32)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.seek(8 + len(blob) + big)
+        f.write(tail.tobytes())
+    tree = treecli.load(path)
+    assert tree["big"].shape == (big,)
+    assert tree["tail"].read().tolist() == tail.tolist()
+    assert tree["big"].read((slice(big - 2, None),)).tolist() == [0, 0]
+
+
+# --- fuzzing: mutated valid files give treecli's error class or the reference's bytes ---------
+
+
+def _valid_safetensors() -> bytes:
+    buffer = io.BytesIO()
+    from safetensors.numpy import save
+
+    buffer.write(save({"a.w": np.arange(6, dtype=np.float32), "a.b": np.ones(2, np.int8), "s": np.zeros((), np.int64)},
+                      metadata={"k": "v"}))
+    return buffer.getvalue()
+
+
+def _mutate(data: bytes, draw) -> bytes:
+    kind = draw(st.sampled_from(["flip", "truncate", "splice", "length", "insert"]))
+    data = bytearray(data)
+    if kind == "flip" and data:
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] ^= 1 << draw(st.integers(0, 7))
+    elif kind == "truncate":
+        data = data[: draw(st.integers(0, len(data)))]
+    elif kind == "splice":
+        i = draw(st.integers(0, len(data)))
+        data[i:i] = draw(st.binary(max_size=16))
+    elif kind == "length" and len(data) >= 8:
+        data[:8] = struct.pack("<Q", draw(st.sampled_from([0, 1, 7, len(data), 2**32, 2**63, 100_000_001])))
+    elif kind == "insert":
+        text = draw(st.sampled_from([b'"dtype":"F64"', b"[1,2]", b"NaN", b'"shape":[-1]', b'"data_offsets":[0,99]']))
+        i = draw(st.integers(0, len(data)))
+        data[i:i] = text
+    return bytes(data)
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_safetensors_match_the_reference_or_are_clean_errors(tmp_path, data):
+    content = _mutate(_valid_safetensors(), data.draw)
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(content)
+    try:
+        tree = treecli.load(path)
+    except TreecliError:
+        return
+    reference = dict(deserialize(content))  # treecli accepted it: so must the reference, with the same bytes
+    from treecli import _tree
+
+    ours = {".".join(map(str, kp)): leaf for kp, leaf in _tree.flatten(tree)}  # back to the flat file keys
+    assert set(ours) == set(reference)
+    for name, info in reference.items():
+        if name in ours:
+            assert bits(ours[name].read()) == bytes(info["data"])
+
+
+def _valid_npz() -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **{"a/w": np.arange(6, dtype=np.float32), "b": np.ones((2, 2), np.int16)})
+    return buffer.getvalue()
+
+
+def _valid_msgpack() -> bytes:
+    ext = msgpack.ExtType(1, msgpack.packb(([2, 2], "float32", np.ones(4, np.float32).tobytes()), use_bin_type=True))
+    return msgpack.packb({"params": {"w": ext, "n": 3}}, use_bin_type=True)
+
+
+def _valid_index(tmp_path) -> bytes:
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    return json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}).encode()
+
+
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["npz", "msgpack", "index"]))
+def test_fuzzed_npz_msgpack_and_index_give_only_treecli_errors(tmp_path, data, which):
+    if which == "npz":
+        path, content = tmp_path / "f.npz", _valid_npz()
+    elif which == "msgpack":
+        path, content = tmp_path / "f.msgpack", _valid_msgpack()
+    else:
+        path, content = tmp_path / "model.safetensors.index.json", _valid_index(tmp_path)
+    path.write_bytes(_mutate(content, data.draw))
+    try:
+        with treecli.open(path) as ckpt:
+            from treecli import _leaf, _tree
+
+            for _, leaf in _tree.flatten(ckpt.tree):
+                if _leaf.is_array(leaf):
+                    _leaf.as_leaf(leaf).read()
+    except TreecliError:
+        pass
+    except zipfile.BadZipFile:
+        pytest.fail("a zip error escaped treecli's error class")
+
+
+def test_header_claims_never_allocate_under_a_memory_limit(tmp_path):
+    """R: forged lengths and shapes are refused before allocation, under RLIMIT_AS = 2 GiB."""
+    cases = {
+        "len.safetensors": struct.pack("<Q", 2**63) + b"{}",
+        "shape.safetensors": struct.pack("<Q", 64) + json.dumps(
+            {"w": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}}).encode().ljust(64),
+    }
+    limit = 2 << 30
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        result = subprocess.run(RUN + ["show", str(tmp_path / name)], capture_output=True, text=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        assert result.returncode == 2 and result.stderr.startswith("treecli: error: "), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_dangling_symlink_and_missing_directory_outputs(cli, mixed_file, tmp_path):
+    path, _ = mixed_file
+    dangling = tmp_path / "dangling.safetensors"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", dangling), "dangling")
+    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "no" / "o.safetensors"), "does not exist")
+    (tmp_path / "adir").mkdir()
+    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "adir", "--format", "npz"))
