@@ -7,7 +7,6 @@ import errno
 import io
 import json
 import os
-import resource
 import signal
 import struct
 import subprocess
@@ -57,8 +56,12 @@ def test_sigint_mid_write_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     assert snapshot(tmp_path) == before  # N and U: same files, same bytes, no temporaries
 
 
-def _limit_file_size(nbytes):
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+def _limited(limit: str, nbytes: int) -> list[str]:
+    """Run treecli under an rlimit set in the child itself: preexec_fn would fork this
+    (jax-importing, multi-threaded) test process in Python, which jax warns against."""
+    code = (f"import resource, runpy, sys; resource.setrlimit(resource.{limit}, ({nbytes}, {nbytes})); "
+            "sys.argv = ['treecli', *sys.argv[1:]]; runpy.run_module('treecli', run_name='__main__')")
+    return [sys.executable, "-c", code]
 
 
 def test_file_too_large_is_a_clean_error_and_the_old_output_survives(tmp_path):
@@ -66,8 +69,8 @@ def test_file_too_large_is_a_clean_error_and_the_old_output_survives(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous output")
     before = snapshot(tmp_path)
-    result = subprocess.run(RUN + ["edit", str(src), "-o", str(out), "--force", "--scale", "**=2"],
-                            capture_output=True, text=True, preexec_fn=_limit_file_size(1 << 20))
+    result = subprocess.run(_limited("RLIMIT_FSIZE", 1 << 20) + ["edit", str(src), "-o", str(out), "--force",
+                                                                  "--scale", "**=2"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.splitlines()[0].startswith(f"treecli: error: {out}: cannot write: File too large")
     assert "Traceback" not in result.stderr
@@ -236,8 +239,8 @@ def test_header_claims_never_allocate_under_a_memory_limit(tmp_path):
     limit = 2 << 30
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
-        result = subprocess.run(RUN + ["show", str(tmp_path / name)], capture_output=True, text=True,
-                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        result = subprocess.run(_limited("RLIMIT_AS", limit) + ["show", str(tmp_path / name)],
+                                capture_output=True, text=True)
         assert result.returncode == 2 and result.stderr.startswith("treecli: error: "), result.stderr
         assert "Traceback" not in result.stderr
 
