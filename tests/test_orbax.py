@@ -186,3 +186,13 @@ def test_orbax_output_that_would_not_fit_in_memory_is_refused(cli, tmp_path, mon
     assert_clean_error(cli("edit", path, "--scale", "w=2", "-o", tmp_path / "out", "--format", "orbax"),
                        "needs the whole output in memory")
     assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_without_commit_marker_is_incomplete(cli, standard, tmp_path):
+    target = tmp_path / "uncommitted"
+    shutil.copytree(standard, target)
+    (target / "commit_success.txt").unlink()
+    meta = json.loads((target / "_CHECKPOINT_METADATA").read_text())
+    meta["commit_timestamp_nsecs"] = None
+    (target / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    assert_clean_error(cli("show", target), "incomplete checkpoint")

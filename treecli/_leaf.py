@@ -72,7 +72,7 @@ class ArrayLeaf:
         import numpy as np
 
         whole = self.read_flat(0, self.size).reshape(self.shape)
-        return np.array(whole[index], copy=True)
+        return np.array(_index_array(whole, index), copy=True)
 
     def chunk_ranges(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
         """``(start, stop)`` element ranges that cover the leaf in order."""
@@ -115,7 +115,7 @@ class InMemoryLeaf(ArrayLeaf):
     def read(self, index: Any = ()):
         import numpy as np
 
-        return np.array(self.array()[index], copy=True)
+        return np.array(_index_array(self.array(), index), copy=True)
 
 
 class ComputedLeaf(ArrayLeaf):
@@ -144,6 +144,12 @@ class ComputedLeaf(ArrayLeaf):
         if self._compute_index is not None:
             return self._compute_index(index)
         return super().read(index)
+
+
+def _index_array(array: Any, index: Any) -> Any:
+    """``array[index]``, but the whole array for ``()``: indexing a 0-d array with ``()``
+    gives a NumPy scalar, which would canonicalize a bool's byte (0x02 -> 0x01)."""
+    return array if index == () else array[index]
 
 
 _pools: dict[str, ThreadPoolExecutor] = {}

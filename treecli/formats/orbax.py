@@ -47,6 +47,9 @@ class _Format:
             raise UsageError("--step applies to a CheckpointManager root; this is a single checkpoint", file=str(path))
         if _TMP_MARK in path.name:
             raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=str(path))
+        if not _committed(path):
+            raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
+                              "_CHECKPOINT_METADATA (the save did not finish)", file=str(path))
         if (path / "_METADATA").is_file():
             checkpoint = Checkpoint(tree=None, format="orbax", file=str(path))
             checkpoint.tree = _open_pytree(path, checkpoint)
@@ -76,8 +79,22 @@ def _steps(root: Path) -> tuple[list[int], list[str]]:
         if _TMP_MARK in entry.name:
             pending.append(entry.name)
         elif entry.name.isdigit() and (entry / "_CHECKPOINT_METADATA").is_file():
-            steps.append(int(entry.name))
+            if _committed(entry):
+                steps.append(int(entry.name))
+            else:
+                pending.append(entry.name)
     return sorted(steps), sorted(pending)
+
+
+def _committed(directory: Path) -> bool:
+    """Orbax marks a finished save with commit_success.txt, or a commit time in _CHECKPOINT_METADATA."""
+    if (directory / "commit_success.txt").is_file():
+        return True
+    try:
+        metadata = json.loads((directory / "_CHECKPOINT_METADATA").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(metadata, dict) and bool(metadata.get("commit_timestamp_nsecs"))
 
 
 def _open_manager_root(root: Path, steps: list[int], pending: list[str], step: int | None) -> Checkpoint:
