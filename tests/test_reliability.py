@@ -385,3 +385,13 @@ def test_load_of_save_is_bit_exact_and_two_saves_are_identical(tmp_path, data, f
             leaf = loaded[group][name]
             assert leaf.shape == array.shape and leaf.dtype == array.dtype
             assert bits(leaf.read()) == bits(array)
+
+
+def test_fuzz_crashers_are_clean_errors(tmp_path, cli):
+    """Inputs atheris found (fuzz/fuzz_formats.py): each once escaped as a raw exception."""
+    zip_version = bytearray(_valid_npz())
+    zip_version[4:6] = (255).to_bytes(2, "little")  # "zip file version 25.5": zipfile raises NotImplementedError
+    (tmp_path / "v.npz").write_bytes(bytes(zip_version))
+    assert_clean_error(cli("show", tmp_path / "v.npz"), "not a readable zip")
+    (tmp_path / "short.eqx").write_bytes(b"\x93NUMPY\x01")  # a record header cut short: struct.error
+    assert_clean_error(cli("show", tmp_path / "short.eqx"), "not a .npy record")

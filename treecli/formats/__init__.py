@@ -40,7 +40,10 @@ def detect(path: Path) -> Any:
     reasons = []
     for name in FORMATS:
         fmt = get(name)
-        reason = fmt.sniff(path)
+        try:
+            reason = fmt.sniff(path)
+        except Exception as e:  # a sniff must never crash detection: it just says no
+            reason = f"{type(e).__name__}: {e}"
         if reason is None:
             return fmt
         reasons.append(f"{name}: {reason}")
@@ -66,8 +69,11 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
         return fmt.open(path, **options)
     except TreecliError as e:
         raise e.with_file(str(path))
-    except (OSError, ValueError) as e:
-        raise FormatError(f"cannot read it as {fmt.name}: {e}", file=str(path)) from e
+    except Exception as e:
+        # The safety net: whatever a damaged file makes a library raise (zipfile's
+        # NotImplementedError, struct.error, ...) is one clean line; --debug shows the chain.
+        raise FormatError(f"cannot read it as {fmt.name}: {type(e).__name__}: {str(e)[:200]}",
+                          file=str(path)) from e
 
 
 def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Any, bool]:

@@ -61,5 +61,5 @@ def _zip_holds_pickle(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as z:
             return any(name.endswith((".pkl", "/data.pkl", ".pickle")) for name in z.namelist())
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except Exception:  # a damaged zip (BadZipFile, NotImplementedError, ...) holds no pickle we can see
         return False

@@ -52,8 +52,8 @@ def _open(path: Path) -> Checkpoint:
         while offset < size:
             where = f"record [{len(leaves)}] at byte {offset}"
             head = f.read(12)
-            if head[:6] != _MAGIC:
-                raise FormatError(f"{where} is not a .npy record", file=file)
+            if head[:6] != _MAGIC or len(head) < 12:
+                raise FormatError(f"{where} is not a .npy record (or is truncated)", file=file)
             major = head[6]
             if major == 1:
                 header_len, start = struct.unpack("<H", head[8:10])[0], 10

@@ -50,7 +50,7 @@ class _Format:
                     return "not a zip file"
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except (OSError, zipfile.BadZipFile, ValueError) as e:
+        except _ZIP_ERRORS as e:
             return f"not a readable zip ({e})"
         if names and all(n.endswith(".npy") or n == METADATA_MEMBER for n in names):
             return None
@@ -72,7 +72,7 @@ def _open(path: Path) -> Checkpoint:
     file = str(path)
     try:
         archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+    except _ZIP_ERRORS as e:
         raise FormatError(f"not a readable zip: {e}", file=file) from None
     with archive:
         infos = archive.infolist()
