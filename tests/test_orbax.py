@@ -196,3 +196,9 @@ def test_a_checkpoint_without_commit_marker_is_incomplete(cli, standard, tmp_pat
     meta["commit_timestamp_nsecs"] = None
     (target / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
     assert_clean_error(cli("show", target), "incomplete checkpoint")
+
+
+def test_item_restricts_show_to_one_item_of_a_step(cli, manager_root):
+    document = cli("show", manager_root, "--item", "meta", "--json").json
+    assert {leaf["keypath"] for leaf in document["leaves"]} == {"meta.step", "meta.tags.0"}
+    assert_clean_error(cli("show", manager_root, "--item", "nope"), "no item 'nope'; items: meta, state")

@@ -25,6 +25,8 @@ def show(
     json: opt.JsonOpt = False,
     format: opt.FormatOpt = None,
     step: opt.StepOpt = None,
+    item: Annotated[Optional[str], typer.Option("--item", help="Only this item of a CheckpointManager step "
+                                                "(e.g. state).", show_default=False)] = None,
     quiet: opt.QuietOpt = False,
 ) -> None:
     """Show the tree of a checkpoint: shapes, dtypes, sizes, totals, metadata.
@@ -41,12 +43,21 @@ def show(
     """
     from treecli import _render, _summary
 
+    from treecli._errors import UsageError
+
     out = Output(quiet=quiet)
     with open_input(out, checkpoint, format, step) as ckpt:
-        root = _summary.summarize(ckpt.tree, where or [])
+        tree = ckpt.tree
+        if item is not None:
+            items = ckpt.info.get("items")
+            if items is None or item not in items:
+                known = f"; items: {', '.join(items)}" if items else " (not a CheckpointManager step)"
+                raise UsageError(f"no item {item!r}{known}", file=str(checkpoint))
+            tree = {item: tree[item]}
+        root = _summary.summarize(tree, where or [])
         if stats:
             with out.progress("reading", root.nbytes) as advance:
-                _summary.add_stats(root, ckpt.tree, advance)
+                _summary.add_stats(root, tree, advance)
         if json:
             document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata)
             document.update(ckpt.info)
