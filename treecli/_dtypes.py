@@ -39,6 +39,11 @@ def name(dtype: Any) -> str:
     return getattr(dtype, "name", None) or str(dtype)
 
 
+def is_known(dtype_name: str) -> bool:
+    """A numeric dtype treecli handles (bool, ints, floats incl. bf16/fp8, complex); never objects or voids."""
+    return dtype_name in _ITEMSIZE
+
+
 def needs_ml_dtypes(dtype_name: str) -> bool:
     """bfloat16, fp8, fp6, fp4, int4...: dtypes NumPy has no name for."""
     return dtype_name in _ML_DTYPES

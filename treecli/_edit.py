@@ -199,7 +199,7 @@ def _from_npy(path: Path, old, allow_reshape, keypath, report):
     source = _leaf.InMemoryLeaf(array)
     if source.dtype_name == old_leaf.dtype_name:
         return source
-    return _cast_leaf(source, old_leaf.dtype_name, keypath, report)
+    return cast_leaf(source, old_leaf.dtype_name, keypath, report)
 
 
 # --- cast and scale -------------------------------------------------------------------------
@@ -214,12 +214,13 @@ def _cast(leaves, text, what, report):
         leaf = _leaf.as_leaf(old)
         if leaf.dtype_name == dtype_name:
             continue
-        leaves[keypath] = _cast_leaf(leaf, dtype_name, format_keypath(keypath), report)
+        leaves[keypath] = cast_leaf(leaf, dtype_name, format_keypath(keypath), report)
         what.setdefault(keypath, []).append(f"cast to {dtype_name}")
 
 
-def _cast_leaf(source, dtype_name, keypath, report):
-    """A computed leaf: ``source`` cast to ``dtype_name``, warning when finite values overflow."""
+def cast_leaf(source, dtype_name, keypath, report):
+    """A computed leaf: ``source`` cast to ``dtype_name``; finite values that overflow to inf
+    are counted and reported in ``report.warnings`` when the last chunk is read."""
     import numpy as np
 
     dtype = _dtypes.numpy_dtype(dtype_name)

@@ -42,7 +42,8 @@ def convert(
         treecli convert model.safetensors ckpt_dir --format orbax
     """
     from treecli import _diff, _dtypes, _leaf, _tree
-    from treecli._edit import _cast_leaf, EditReport
+    from treecli._edit import EditReport, cast_leaf
+    from treecli._keypath import format_keypath
     from treecli._errors import TreecliError
     from treecli.formats import open_checkpoint
 
@@ -53,7 +54,7 @@ def convert(
         if dtype:
             name = _dtypes.parse(dtype)
             tree = _tree.map_leaves(
-                lambda kp, x: _cast_leaf(_leaf.as_leaf(x), name, _keypath_text(kp), report)
+                lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report)
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         write_output(out, tree, target, source=ckpt, inputs=[source], format=format, force=force,
@@ -73,9 +74,3 @@ def convert(
             raise TreecliError(f"verification failed: the output differs from the input in {len(problems)} leaves; "
                                "it was removed", file=str(target), details=problems)
         out.note("verified: every leaf is bit-exact")
-
-
-def _keypath_text(keypath: tuple) -> str:
-    from treecli._keypath import format_keypath
-
-    return format_keypath(keypath)

@@ -102,10 +102,9 @@ class _BadExtension(Exception):
 def _known_dtype(name: Any):
     if not isinstance(name, str):
         raise ValueError(f"dtype {name!r} is not a name")
-    dtype = _dtypes.numpy_dtype(name) if name in _dtypes._ITEMSIZE else None
-    if dtype is None:
+    if not _dtypes.is_known(name):
         raise ValueError(f"dtype {name!r} is not a numeric dtype treecli reads (objects are never unpickled)")
-    return dtype
+    return _dtypes.numpy_dtype(name)
 
 
 def _checked(node: Any, keypath: tuple, file: str) -> Any:
