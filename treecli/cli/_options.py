@@ -12,7 +12,7 @@ from treecli.cli._complete import complete_keypaths
 CheckpointArg = Annotated[
     Path,
     typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory.",
-                   show_default=False),
+                   show_default=False, metavar="CHECKPOINT"),
 ]
 FormatOpt = Annotated[
     Optional[str],

@@ -15,7 +15,8 @@ from treecli.cli._output import Output
 
 def average(
     checkpoints: Annotated[list[Path], typer.Argument(help="Two or more checkpoints with the same key paths, "
-                                                      "shapes and dtypes (any formats).", show_default=False)],
+                                                      "shapes and dtypes (any formats).", show_default=False,
+                                                      metavar="CHECKPOINTS...")],
     output: opt.OutputOpt,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="One weight per input, e.g. 1,2,3 "
                                                    "(default: equal). Negative weights are allowed.",
@@ -41,10 +42,9 @@ def average(
 
     Examples:
 
+    \b
         treecli average a.safetensors b.safetensors c.safetensors -o soup.safetensors
-
         treecli average step_100 step_200 step_300 --weights 1,2,3 -o avg
-
         treecli average base ft_a ft_b --weights -1,1,1 --no-normalize -o merged.safetensors
     """
     from treecli._average import average as average_trees

@@ -14,8 +14,8 @@ from treecli.cli._output import Output
 
 
 def convert(
-    source: Annotated[Path, typer.Argument(help="Input checkpoint.", show_default=False)],
-    target: Annotated[Path, typer.Argument(help="Output file or directory.", show_default=False)],
+    source: Annotated[Path, typer.Argument(help="Input checkpoint.", show_default=False, metavar="SOURCE")],
+    target: Annotated[Path, typer.Argument(help="Output file or directory.", show_default=False, metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point leaves to this dtype.",
                                                  show_default=False)] = None,
@@ -35,10 +35,9 @@ def convert(
 
     Examples:
 
+    \b
         treecli convert orbax_ckpt model.safetensors --drop-unsupported
-
         treecli convert model.safetensors hf_dir --max-shard-size 5GB
-
         treecli convert model.safetensors ckpt_dir --format orbax
     """
     from treecli import _diff, _dtypes, _leaf, _tree

@@ -13,8 +13,8 @@ from treecli.cli._output import Output
 
 
 def diff(
-    a: Annotated[Path, typer.Argument(help="First checkpoint.", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint.", show_default=False)],
+    a: Annotated[Path, typer.Argument(help="First checkpoint.", show_default=False, metavar="A")],
+    b: Annotated[Path, typer.Argument(help="Second checkpoint.", show_default=False, metavar="B")],
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Compare numerically with this relative "
                                                   "tolerance (default: exact bytes).", show_default=False)] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Compare numerically with this absolute "
@@ -30,8 +30,8 @@ def diff(
 
     Examples:
 
+    \b
         treecli diff model.safetensors converted_dir
-
         treecli diff run1/step_100 run2/step_100 --atol 1e-6 --where 'params.**'
     """
     from treecli import _diff, _render

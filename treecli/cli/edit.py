@@ -51,12 +51,10 @@ def edit(
 
     Examples:
 
+    \b
         treecli edit ckpt.safetensors -o fixed.safetensors --rename '_orig_mod.**=**'
-
         treecli edit ckpt -o out --delete opt_state --cast 'embed.**=bfloat16' --set head.bias=0
-
         treecli edit ckpt.safetensors --set 'head.kernel=@new_head.npy' --in-place
-
         treecli edit ckpt.safetensors --scale 'head.kernel=0.5' --dry-run
     """
     from treecli import _render

@@ -15,7 +15,8 @@ from treecli.cli._output import Output
 def get(
     checkpoint: opt.CheckpointArg,
     keypath: Annotated[str, typer.Argument(help="Key path of one leaf, e.g. model.embed_tokens.weight.",
-                                           autocompletion=opt.complete_keypaths, show_default=False)],
+                                           autocompletion=opt.complete_keypaths, show_default=False,
+                                           metavar="KEYPATH")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the leaf to this .npy file.",
                                                    show_default=False)] = None,
     format: opt.FormatOpt = None,
@@ -27,8 +28,8 @@ def get(
 
     Examples:
 
+    \b
         treecli get model.safetensors model.norm.weight
-
         treecli get ckpt_dir params.dense.kernel -o kernel.npy
     """
     from treecli import _leaf, _summary, _tree

@@ -35,10 +35,9 @@ def show(
 
     Examples:
 
+    \b
         treecli show model.safetensors
-
         treecli show ./Llama-3-8B --where 'model.layers.0.**' --flat
-
         treecli show ckpt_dir --depth 2 --json
     """
     from treecli import _render, _summary

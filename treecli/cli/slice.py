@@ -42,12 +42,10 @@ def slice_(
 
     Examples:
 
+    \b
         treecli slice ckpt.safetensors --index 0 -o member0.safetensors
-
         treecli slice ckpt --index 'encoder.layers=3' --index 'decoder.layers=-1' -o out
-
         treecli slice ckpt --index 'ensemble=2' --index ':, :128' -o out
-
         treecli slice ckpt --index 'params.**.kernel=..., :64' --dry-run
     """
     from treecli import _render
