@@ -202,3 +202,13 @@ def test_item_restricts_show_to_one_item_of_a_step(cli, manager_root):
     document = cli("show", manager_root, "--item", "meta", "--json").json
     assert {leaf["keypath"] for leaf in document["leaves"]} == {"meta.step", "meta.tags.0"}
     assert_clean_error(cli("show", manager_root, "--item", "nope"), "no item 'nope'; items: meta, state")
+
+
+def test_non_ocdbt_checkpoints_read_too(tmp_path):
+    path = tmp_path / "plain"
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    checkpointer.save(str(path), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                                           "b": np.ones(2, BF16), "n": 3}))
+    leaves = leaves_of(treecli.load(path))
+    assert leaves["w"].read().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert leaves["b"].dtype_name == "bfloat16" and leaves["n"] == 3
