@@ -42,13 +42,23 @@ def test_sigint_mid_write_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous output")
     before = snapshot(tmp_path)
-    proc = subprocess.Popen(RUN + ["edit", str(src), "-o", str(out), "--force", "--scale", "**=0.5"],
-                            stderr=subprocess.PIPE, text=True)
+    # The child restores the default SIGINT handler itself (a parent running as a background job
+    # passes SIGINT ignored), and runs with faulthandler so that a hang can show its stacks.
+    code = ("import faulthandler, runpy, signal, sys; faulthandler.enable(); "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.argv = ['treecli', *sys.argv[1:]]; runpy.run_module('treecli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", code, "edit", str(src), "-o", str(out), "--force",
+                             "--scale", "**=0.5"], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
     while time.time() < deadline and not any(p.name.startswith(".treecli-tmp") for p in tmp_path.iterdir()):
         time.sleep(0.01)  # wait until the temporary output exists: the write is under way
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        _, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"treecli did not exit after SIGINT; its stacks:\n{stderr}")
     if proc.returncode == 0:
         pytest.skip("the write finished before the signal arrived")
     assert proc.returncode == 130, stderr

@@ -7,6 +7,7 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -109,4 +110,12 @@ def _print_error(headline: str, details: list[str] = ()) -> None:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    code = main()
+    if code == 130:
+        # An interrupt can land while a worker thread of the prefetch pool is starting,
+        # before the pool registers it: interpreter exit would then wait on it forever.
+        # Outputs are already cleaned up; leave without joining threads.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
