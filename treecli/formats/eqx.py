@@ -10,16 +10,13 @@ sequence of one. Read-only.
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
 from treecli._errors import FormatError, RefusedError
+from treecli.formats import _npy
 from treecli.formats._base import Checkpoint
 from treecli.formats._filedata import FileArrayLeaf, FileReader
-from treecli.formats.npz import _MAX_HEADER, _parse_header
-
-_MAGIC = b"\x93NUMPY"
 
 
 class _Format:
@@ -31,7 +28,7 @@ class _Format:
         if path.is_dir():
             return "a directory"
         with open(path, "rb") as f:
-            return None if f.read(6) == _MAGIC else "does not start with a .npy record"
+            return None if f.read(6) == _npy.MAGIC else "does not start with a .npy record"
 
     def open(self, path: Path, **_: Any) -> Checkpoint:
         return _open(Path(path))
@@ -41,8 +38,6 @@ FORMAT = _Format()
 
 
 def _open(path: Path) -> Checkpoint:
-    import numpy as np
-
     file = str(path)
     size = os.stat(path).st_size
     reader = FileReader(file)
@@ -51,38 +46,21 @@ def _open(path: Path) -> Checkpoint:
     with open(path, "rb") as f:
         while offset < size:
             where = f"record [{len(leaves)}] at byte {offset}"
-            head = f.read(12)
-            if head[:6] != _MAGIC or len(head) < 12:
-                raise FormatError(f"{where} is not a .npy record (or is truncated)", file=file)
-            major = head[6]
-            if major == 1:
-                header_len, start = struct.unpack("<H", head[8:10])[0], 10
-            elif major in (2, 3):
-                header_len, start = struct.unpack("<I", head[8:12])[0], 12
-            else:
-                raise FormatError(f"{where}: unknown .npy version {major}", file=file)
-            if header_len > _MAX_HEADER:
-                raise FormatError(f"{where}: header of {header_len} bytes is too large", file=file)
-            f.seek(offset + start)
-            text = f.read(header_len)
-            try:
-                descr, fortran, shape = _parse_header(text.decode("latin1" if major < 3 else "utf8"))
-                dtype = np.dtype(np.lib.format.descr_to_dtype(descr))
-            except (ValueError, TypeError, UnicodeDecodeError) as e:
-                raise FormatError(f"{where}: bad header: {e}", file=file) from None
-            if dtype.hasobject:
-                raise RefusedError(f"refused: {where} holds Python objects, and loading them unpickles", file=file)
-            if fortran or dtype.byteorder == ">":
-                raise FormatError(f"{where}: Fortran-order or big-endian records are not supported", file=file)
-            data = offset + start + header_len
-            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
-            if data + nbytes > size:
-                raise FormatError(f"file is truncated: {where} declares data through byte {data + nbytes}, "
-                                  f"but the file is only {size} bytes", file=file)
-            name = f"V{dtype.itemsize}" if dtype.kind == "V" else dtype.name
-            leaves.append(FileArrayLeaf(reader, data, tuple(shape), name))
-            offset = data + nbytes
             f.seek(offset)
+            try:
+                header = _npy.parse(f.read(_npy.PREFIX))
+            except ValueError as e:
+                raise FormatError(f"{where}: {e}", file=file) from None
+            if header.dtype.hasobject:
+                raise RefusedError(f"refused: {where} holds Python objects, and loading them unpickles", file=file)
+            if header.fortran or header.dtype.byteorder == ">":
+                raise FormatError(f"{where}: Fortran-order or big-endian records are not supported", file=file)
+            data = offset + header.data_offset
+            if data + header.nbytes > size:
+                raise FormatError(f"file is truncated: {where} declares data through byte {data + header.nbytes}, "
+                                  f"but the file is only {size} bytes", file=file)
+            leaves.append(FileArrayLeaf(reader, data, header.shape, header.dtype_name))
+            offset = data + header.nbytes
     checkpoint = Checkpoint(tree=leaves, format="eqx", file=file)
     checkpoint._closers.append(reader.close)
     if path.suffix == ".eqx":

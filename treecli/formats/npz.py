@@ -24,13 +24,12 @@ from typing import Any
 from treecli import _dtypes, _leaf
 from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
-from treecli.formats import _flatkeys
+from treecli.formats import _flatkeys, _npy
 from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf, FileReader
 
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
-_MAX_HEADER = 10_000  # NumPy's own limit for .npy headers
 # What zipfile raises on damaged archives: bad headers, CRC mismatches, truncated
 # streams, unknown or encrypted compression, corrupt deflate data.
 _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError, RuntimeError)
@@ -119,46 +118,21 @@ def _open(path: Path) -> Checkpoint:
 
 def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, reader: FileReader,
                  real_dtype: str | None, key: str) -> _leaf.ArrayLeaf:
-    import numpy as np
-
     file = str(path)
     with archive.open(info) as stream:
-        head = stream.read(min(info.file_size, _MAX_HEADER + 12))
+        head = stream.read(min(info.file_size, _npy.PREFIX))
     try:
-        magic = head[:8]
-        if magic[:6] != b"\x93NUMPY":
-            raise ValueError("no .npy magic")
-        major = magic[6]
-        if major == 1:
-            (header_len,), start = struct.unpack("<H", head[8:10]), 10
-        elif major in (2, 3):
-            (header_len,), start = struct.unpack("<I", head[8:12]), 12
-        else:
-            raise ValueError(f"unknown .npy version {major}")
-        if header_len > _MAX_HEADER or start + header_len > len(head):
-            raise ValueError(f"header of {header_len} bytes is too large or truncated")
-        header_text = head[start : start + header_len].decode("latin1" if major < 3 else "utf8")
-        header = _parse_header(header_text)
-    except (ValueError, struct.error, UnicodeDecodeError) as e:
+        header = _npy.parse(head)
+    except ValueError as e:
         raise FormatError(f"member is not a valid .npy array: {e}", file=file, keypath=key) from None
-    descr, fortran, shape = header
-    try:
-        dtype = np.dtype(np.lib.format.descr_to_dtype(descr))
-    except (TypeError, ValueError) as e:
-        raise FormatError(f"unknown dtype {descr!r}: {e}", file=file, keypath=key) from None
+    dtype, shape, fortran, data_start = header.dtype, header.shape, header.fortran, header.data_offset
     if dtype.hasobject:
         raise RefusedError("refused: this member holds Python objects, and loading them unpickles (which can run "
                            "code); treecli never does", file=file, keypath=key)
-    data_start = start + header_len
-    nbytes = 1
-    for d in shape:
-        nbytes *= d
-    nbytes *= dtype.itemsize
-    if data_start + nbytes != info.file_size:
-        raise FormatError(f"header declares shape {list(shape)} of {dtype} ({nbytes} bytes), but the member holds "
-                          f"{info.file_size - data_start} bytes of data", file=file, keypath=key)
-    # np.dtype("V2") parses back; its .name ("void16") does not.
-    name = real_dtype or (f"V{dtype.itemsize}" if dtype.kind == "V" else dtype.name)
+    if data_start + header.nbytes != info.file_size:
+        raise FormatError(f"header declares shape {list(shape)} of {dtype} ({header.nbytes} bytes), but the member "
+                          f"holds {info.file_size - data_start} bytes of data", file=file, keypath=key)
+    name = real_dtype or header.dtype_name
     if real_dtype and _dtypes.itemsize(real_dtype) != dtype.itemsize:
         raise FormatError(f"{METADATA_MEMBER} says {real_dtype}, but the member stores {dtype.itemsize}-byte items",
                           file=file, keypath=key)
@@ -166,25 +140,6 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
     if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
         return FileArrayLeaf(reader, _data_offset(path, info) + data_start, tuple(shape), name)
     return _WholeMemberLeaf(path, info, data_start, tuple(shape), dtype, name, fortran, key)
-
-
-def _parse_header(text: str) -> tuple[str | list, bool, tuple[int, ...]]:
-    """The .npy header dict, parsed without eval: ``{'descr': ..., 'fortran_order': ..., 'shape': (...)}``."""
-    import ast
-
-    try:
-        header = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
-        raise ValueError(f"unreadable header ({type(e).__name__})") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise ValueError("header is not {'descr', 'fortran_order', 'shape'}")
-    shape = header["shape"]
-    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
-                                               for d in shape):
-        raise ValueError(f"bad shape {shape!r}")
-    if not isinstance(header["fortran_order"], bool):
-        raise ValueError("fortran_order is not a bool")
-    return header["descr"], header["fortran_order"], shape
 
 
 def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
