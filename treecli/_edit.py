@@ -367,7 +367,4 @@ def _replace(node: Any, keypath: tuple, value: Any) -> Any:
     key, rest = keypath[0], keypath[1:]
     if isinstance(node, dict):
         return {k: (_replace(v, rest, value) if k == key else v) for k, v in node.items()}
-    items = [(_replace(v, rest, value) if i == key else v) for i, v in enumerate(node)]
-    if isinstance(node, list):
-        return items
-    return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    return _tree.rebuild_sequence(node, [(_replace(v, rest, value) if i == key else v) for i, v in enumerate(node)])

@@ -67,14 +67,19 @@ def map_leaves(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
             return fn(prefix, node)
         if isinstance(node, dict):
             return {k: walk(v, prefix + (k,)) for k, v in children(node)}
-        items = [walk(v, prefix + (i,)) for i, v in enumerate(node)]
-        if isinstance(node, list):
-            return items
-        if hasattr(node, "_fields"):  # namedtuple
-            return type(node)(*items)
-        return type(node)(items)
+        return rebuild_sequence(node, [walk(v, prefix + (i,)) for i, v in enumerate(node)])
 
     return walk(tree, ())
+
+
+def rebuild_sequence(original: list | tuple, items: list) -> list | tuple:
+    """``items`` in a sequence of ``original``'s kind: a list, the same tuple type, or
+    the same namedtuple (a plain tuple if the count of fields no longer fits)."""
+    if isinstance(original, list):
+        return list(items)
+    if hasattr(original, "_fields"):  # namedtuple
+        return type(original)(*items) if len(items) == len(original) else tuple(items)
+    return type(original)(items)
 
 
 def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None) -> Any:
@@ -99,12 +104,7 @@ def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None) -> Any:
         original = _get_or_none(template, prefix)
         rebuilt = {k: restore(v, prefix + (k,)) for k, v in node.items()}
         if isinstance(original, (list, tuple)) and all(isinstance(k, int) for k in rebuilt):
-            values = [rebuilt[k] for k in sorted(rebuilt)]
-            if isinstance(original, list):
-                return values
-            if hasattr(original, "_fields") and len(values) == len(original):
-                return type(original)(*values)
-            return tuple(values)
+            return rebuild_sequence(original, [rebuilt[k] for k in sorted(rebuilt)])
         return rebuilt
 
     return restore(root, ())
