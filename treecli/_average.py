@@ -223,9 +223,7 @@ def _equal(a: Any, b: Any) -> bool:
             if x.view(np.uint8).tobytes() != y.view(np.uint8).tobytes():
                 return False
         return True
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
+    return _tree.values_equal(a, b)
 
 
 def _preview(value: Any) -> str:

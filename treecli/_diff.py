@@ -82,7 +82,7 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
 def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
     described = (_tree.describe_leaf(x), _tree.describe_leaf(y))
     if not (_leaf.is_array(x) and _leaf.is_array(y)):
-        if _leaf.is_array(x) or _leaf.is_array(y) or type(x) is not type(y) or not _same_value(x, y):
+        if _leaf.is_array(x) or _leaf.is_array(y) or not _tree.values_equal(x, y):
             return Change(text, _describe_value(x), _describe_value(y))
         return None
     if described[0] != described[1]:
@@ -125,15 +125,6 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
         return None
     description = _tree.describe_leaf(x)
     return Change(text, description, description, max_abs if numeric else None, max_rel if numeric else None)
-
-
-def _same_value(x: Any, y: Any) -> bool:
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
-    try:
-        return bool(x == y)
-    except Exception:
-        return False
 
 
 def _describe_value(value: Any) -> str:

@@ -178,6 +178,18 @@ def describe_leaf(leaf: Any) -> str:
     return type(leaf).__name__
 
 
+def values_equal(a: Any, b: Any) -> bool:
+    """Equality of two non-array leaves: same type and value, NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and a != a and b != b:  # both NaN
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == raises or is ambiguous counts as different
+        return False
+
+
 def structure_differences(trees: list[Any], names: list[str]) -> list[str]:
     """One line per key path where the trees disagree: missing in some, or a different shape/dtype/type.
 
