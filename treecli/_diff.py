@@ -95,6 +95,7 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
 
     numeric = x.dtype.kind in "biuc" or _dtypes.is_float(x.dtype_name)
     exact = rtol is None and atol is None
+    wide = np.complex128 if x.dtype.kind == "c" else np.float64  # x and y share a dtype here
     differs = False
     max_abs = max_rel = 0.0
     for start, stop in x.chunk_ranges():
@@ -102,17 +103,16 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
         if progress:
             progress(cx.nbytes + cy.nbytes)
         if exact:
-            same = cx.view(np.uint8).tobytes() == cy.view(np.uint8).tobytes()
+            if cx.view(np.uint8).tobytes() == cy.view(np.uint8).tobytes():
+                continue
+            if numeric:
+                fx, fy = cx.astype(wide), cy.astype(wide)
         else:
-            fx, fy = cx.astype(np.complex128 if x.dtype.kind == "c" else np.float64), \
-                cy.astype(np.complex128 if y.dtype.kind == "c" else np.float64)
-            same = bool(np.all(np.isclose(fx, fy, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True)))
-        if same:
-            continue
+            fx, fy = cx.astype(wide), cy.astype(wide)
+            if np.all(np.isclose(fx, fy, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True)):
+                continue
         differs = True
         if numeric:
-            fx = cx.astype(np.complex128 if x.dtype.kind == "c" else np.float64)
-            fy = cy.astype(np.complex128 if y.dtype.kind == "c" else np.float64)
             with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
                 both_nan = np.isnan(fx) & np.isnan(fy)
                 delta = np.where(both_nan, 0.0, np.abs(fx - fy))
