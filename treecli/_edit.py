@@ -49,7 +49,11 @@ def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
     """
     report = EditReport()
     items = _tree.flatten(tree)
-    describe = {kp: _tree.describe_leaf(leaf) for kp, leaf in items}
+    originals = dict(items)
+
+    def describe(keypath: tuple) -> str:  # only leaves that end up in the report are described
+        return _tree.describe_leaf(originals[keypath]) if keypath in originals else "-"
+
     origin = {kp: kp for kp, _ in items}  # new key path -> original key path
 
     what: dict[tuple, list[str]] = {}  # new key path -> what happened to it
@@ -63,7 +67,7 @@ def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
     for text in edits.scale:
         _scale(leaves, text, what, report)
     for keypath, actions in what.items():
-        before = describe.get(origin.get(keypath, keypath), "-")
+        before = describe(origin.get(keypath, keypath))
         report.rows.append((format_keypath(keypath), before, _tree.describe_leaf(leaves[keypath]), ", ".join(actions)))
     report.rows.sort(key=lambda row: row[0])
     new_items = [(kp, leaves[kp]) for kp, _ in items]
@@ -86,7 +90,7 @@ def _rename(items, origin, rules, what):
                 length, captures = found
                 renamed[keypath] = _keypath.fill_template(template, captures, new_text) + tuple(keypath[length:])
         if not renamed:
-            raise _tree.no_match(_tree.unflatten(items) if items else {}, old_text, f"--rename {text!r} matches nothing")
+            raise _no_match(items, old_text, f"--rename {text!r} matches nothing")
         _check_collisions(items, renamed, text)
         items = [(renamed.get(kp, kp), leaf) for kp, leaf in items]
         origin = {renamed.get(kp, kp): origin[kp] for kp in origin}
@@ -121,16 +125,17 @@ def _delete(items, patterns, sets, report, origin, describe, what):
     kept = items
     for text in patterns:
         pattern = _keypath.parse(text)
-        if not any(_keypath.covers(pattern, kp) for kp, _ in kept):
-            raise _tree.no_match(_tree.unflatten(kept) if kept else {}, text, f"--delete {text!r} matches nothing")
+        gone = {kp for kp, _ in kept if _keypath.covers(pattern, kp)}
+        if not gone:
+            raise _no_match(kept, text, f"--delete {text!r} matches nothing")
         for target, parsed in set_paths.items():
-            if any(_keypath.covers(pattern, kp) and _keypath.matches(parsed, kp) for kp, _ in kept):
+            if any(_keypath.matches(parsed, kp) for kp in gone):
                 raise KeyPathError(f"both deleted by --delete {text!r} and set by --set", keypath=target)
-        gone = [kp for kp, _ in kept if _keypath.covers(pattern, kp)]
-        for kp in gone:
-            what.pop(kp, None)
-            report.rows.append((format_keypath(kp), describe.get(origin.get(kp, kp), "-"), "-", "deleted"))
-        kept = [(kp, leaf) for kp, leaf in kept if not _keypath.covers(pattern, kp)]
+        for kp, _ in kept:
+            if kp in gone:
+                what.pop(kp, None)
+                report.rows.append((format_keypath(kp), describe(origin.get(kp, kp)), "-", "deleted"))
+        kept = [(kp, leaf) for kp, leaf in kept if kp not in gone]
     return kept
 
 
@@ -264,8 +269,7 @@ def _targets(leaves, pattern_text, option) -> list[tuple]:
     pattern = _keypath.parse(pattern_text)
     covered = [kp for kp in leaves if _keypath.covers(pattern, kp)]
     if not covered:
-        raise _tree.no_match(_tree.unflatten(list(leaves.items())) if leaves else {}, pattern_text,
-                             f"{option} {pattern_text!r} matches nothing")
+        raise _no_match(leaves.items(), pattern_text, f"{option} {pattern_text!r} matches nothing")
     exact = _keypath.is_literal(pattern) and len(covered) == 1 and _keypath.matches(pattern, covered[0])
     arrays = [kp for kp in covered if _leaf.is_array(leaves[kp])]
     if exact:
@@ -308,7 +312,13 @@ def _resolve_one(leaves: dict, text: str, option: str) -> tuple:
     if under:
         raise UsageError(f"{option}: {text!r} is a subtree of {len(under)} leaves, not a leaf; "
                          f"set each leaf (e.g. {format_keypath(under[0])})", keypath=text)
-    raise _tree.no_match(_tree.unflatten(list(leaves.items())) if leaves else {}, text, "no such key path")
+    raise _no_match(leaves.items(), text, "no such key path")
+
+
+def _no_match(items, text: str, what: str) -> KeyPathError:
+    """The error for a pattern that matches nothing among ``(keypath, leaf)`` pairs, naming the closest."""
+    items = list(items)
+    return _tree.no_match(_tree.unflatten(items) if items else {}, text, what)
 
 
 def _parse_number(text: str, where: str) -> float:
