@@ -118,6 +118,32 @@ class InMemoryLeaf(ArrayLeaf):
         return np.array(_index_array(self.array(), index), copy=True)
 
 
+class WholeLeaf(ArrayLeaf):
+    """A leaf stored so that it can only be read whole (compressed, or reordered):
+    loaded on first chunk, kept until its last chunk has been served, so that a
+    writer holds one such leaf at a time. Subclasses implement ``load()``."""
+
+    _cache = None
+
+    def load(self):
+        """The whole leaf, flat, in C order, as a NumPy array of this dtype."""
+        raise NotImplementedError
+
+    def read_flat(self, start: int, stop: int):
+        if self._cache is None:
+            self._cache = self.load()
+        data = self._cache[start:stop]
+        if stop >= self.size:
+            self._cache = None
+        return data
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        whole = self._cache if self._cache is not None else self.load()
+        return np.array(_index_array(whole.reshape(self.shape), index), copy=True)
+
+
 class ComputedLeaf(ArrayLeaf):
     """A leaf whose chunks are computed on demand by ``compute(start, stop)``.
 

@@ -153,9 +153,8 @@ def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-class _WholeMemberLeaf(_leaf.ArrayLeaf):
-    """A compressed, Fortran-order or big-endian member: decompressed (and
-    reordered) whole on first use, kept until its last chunk has been served."""
+class _WholeMemberLeaf(_leaf.WholeLeaf):
+    """A compressed, Fortran-order or big-endian member: decompressed (and reordered) whole."""
 
     def __init__(self, path: Path, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype, name: str,
                  fortran: bool, key: str):
@@ -163,36 +162,21 @@ class _WholeMemberLeaf(_leaf.ArrayLeaf):
         self._stored, self._fortran, self._key = stored_dtype, fortran, key
         self.shape = shape
         self.dtype_name = name
-        self._cache = None
 
-    def _whole(self):
+    def load(self):
         import numpy as np
 
-        if self._cache is None:
-            try:
-                with zipfile.ZipFile(self._path) as z, z.open(self._info) as stream:
-                    stream.read(self._start)
-                    raw = stream.read(self._info.file_size - self._start)
-            except _ZIP_ERRORS as e:
-                raise FormatError(f"cannot decompress the member: {e}", file=str(self._path),
-                                  keypath=self._key) from None
-            array = np.frombuffer(raw, self._stored)
-            if self._fortran:
-                array = array.reshape(self.shape[::-1]).T
-            array = np.ascontiguousarray(array.reshape(self.shape)).astype(self._stored.newbyteorder("="))
-            self._cache = array.reshape(-1).view(self.dtype)
-        return self._cache
-
-    def read_flat(self, start: int, stop: int):
-        data = self._whole()[start:stop]
-        if stop >= self.size:
-            self._cache = None
-        return data
-
-    def read(self, index: Any = ()):
-        import numpy as np
-
-        return np.array(self._whole().reshape(self.shape)[index], copy=True)
+        try:
+            with zipfile.ZipFile(self._path) as z, z.open(self._info) as stream:
+                stream.read(self._start)
+                raw = stream.read(self._info.file_size - self._start)
+        except _ZIP_ERRORS as e:
+            raise FormatError(f"cannot decompress the member: {e}", file=str(self._path), keypath=self._key) from None
+        array = np.frombuffer(raw, self._stored)
+        if self._fortran:
+            array = array.reshape(self.shape[::-1]).T
+        array = np.ascontiguousarray(array.reshape(self.shape)).astype(self._stored.newbyteorder("="))
+        return array.reshape(-1).view(self.dtype)
 
 
 # --- writing --------------------------------------------------------------------------------

@@ -233,10 +233,9 @@ def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict
     return stores
 
 
-class OrbaxLeaf(_leaf.ArrayLeaf):
+class OrbaxLeaf(_leaf.WholeLeaf):
     """An array in an Orbax checkpoint. Orbax stores each array compressed (one
-    zstd chunk in 0.12), so chunked reads decompress the leaf once and keep it
-    until the last chunk has been served: one leaf in memory at a time."""
+    zstd chunk in 0.12), so it is read whole: one leaf in memory at a time."""
 
     def __init__(self, store: Any, file: str, name: str):
         self._store = store
@@ -244,34 +243,13 @@ class OrbaxLeaf(_leaf.ArrayLeaf):
         self._name = name
         self.shape = tuple(int(d) for d in store.shape)
         self.dtype_name = store.dtype.numpy_dtype.name
-        self._cache = None
 
-    def _whole(self):
-        if self._cache is None:
-            try:
-                self._cache = self._store.read().result().reshape(-1)
-            except Exception as e:
-                raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
-                                  keypath=self._name) from None
-        return self._cache
-
-    def read_flat(self, start: int, stop: int):
-        data = self._whole()[start:stop]
-        if stop >= self.size:
-            self._cache = None
-        return data.copy() if stop < self.size else data
-
-    def read(self, index: Any = ()):
-        import numpy as np
-
-        if self._cache is not None:
-            return np.array(self._cache.reshape(self.shape)[index], copy=True)
+    def load(self):
         try:
-            whole = self._store.read().result()
-        except Exception as e:
+            return self._store.read().result().reshape(-1)
+        except Exception as e:  # tensorstore raises ValueError and friends with long messages
             raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
                               keypath=self._name) from None
-        return np.array(whole[index], copy=True)
 
 
 # --- writing --------------------------------------------------------------------------------
