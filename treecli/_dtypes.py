@@ -86,10 +86,6 @@ def is_float(dtype: Any) -> bool:
     return name(dtype) in _FLOATS or name(dtype).startswith("float")  # float128 too
 
 
-def is_integer_or_bool(dtype: Any) -> bool:
-    return name(dtype).startswith(("int", "uint", "bool"))
-
-
 def accumulator(dtype: Any):
     """The NumPy dtype to accumulate floats in: float64, whatever the leaf's dtype.
 
@@ -103,10 +99,3 @@ def accumulator(dtype: Any):
     import numpy as np
 
     return np.dtype(np.float64)
-
-
-def finfo(dtype: Any):
-    """``finfo`` that also knows the ml_dtypes floats."""
-    import ml_dtypes
-
-    return ml_dtypes.finfo(numpy_dtype(name(dtype)))

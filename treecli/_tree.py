@@ -142,12 +142,6 @@ def find(tree: Any, pattern: str | tuple) -> list[KeyPath]:
     return [kp for kp, _ in iter_nodes(tree) if _keypath.matches(parsed, kp)]
 
 
-def leaves_under(tree: Any, pattern: str | tuple) -> list[KeyPath]:
-    """Key paths of the leaves a pattern covers (matching nodes and everything under them)."""
-    parsed = _keypath.parse(pattern) if isinstance(pattern, str) else pattern
-    return [kp for kp, _ in flatten(tree) if _keypath.covers(parsed, kp)]
-
-
 def no_match(tree: Any, pattern_text: str, what: str = "matches nothing") -> KeyPathError:
     """The error for a pattern that matches nothing, naming the closest key paths."""
     candidates = [format_keypath(kp) for kp, _ in iter_nodes(tree) if kp]

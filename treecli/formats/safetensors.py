@@ -71,9 +71,6 @@ class _Format:
             return _open_index(path)
         return _open_file(path)
 
-    def default_output_is_directory(self, checkpoint: Checkpoint | None) -> bool:
-        return False
-
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         entries = _entries_for_writing(tree, str(target), options)
         if target.is_dir():
