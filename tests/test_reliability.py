@@ -331,6 +331,64 @@ def test_overlap_bomb_is_refused_fast_without_per_tensor_allocation(tmp_path, cl
     assert time.perf_counter() - start < 10  # measured 0.9 s; generous for slow CI machines
 
 
+SHOW_AND_MEASURE = r"""
+import resource, sys
+from treecli.cli import main
+code = main(["show", sys.argv[1]])
+sys.stdout.flush()
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+print(code, peak_mb, "jax" in sys.modules or "orbax" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.fixture(scope="module")
+def moe_200k(tmp_path_factory):
+    """A 200k-tensor MoE-style header (23 MB of JSON) over a sparse data region."""
+    header, offset = {}, 0
+    for layer in range(130):
+        for expert in range(256):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for name, shape in (("weight", [64, 32]), ("scale", [64])):
+                    n = 2 * (64 * 32 if name == "weight" else 64)
+                    key = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{name}"
+                    header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+                    offset += n
+        header[f"model.layers.{layer}.input_layernorm.weight"] = {
+            "dtype": "BF16", "shape": [4096], "data_offsets": [offset, offset + 8192]}
+        offset += 8192
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    path = tmp_path_factory.mktemp("big") / "moe.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+    os.truncate(path, 8 + len(blob) + offset)
+    return path
+
+
+def test_a_200k_tensor_header_shows_every_row_in_bounded_memory_without_jax(moe_200k):
+    """Case 30a. Its time is measured by bench/show.py (not asserted here: timed tests flake)."""
+    proc = subprocess.run([sys.executable, "-c", SHOW_AND_MEASURE, str(moe_200k)], capture_output=True, text=True)
+    code, peak_mb, imported_jax = proc.stderr.split()
+    assert (code, imported_jax) == ("0", "False"), proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "199810 arrays" in lines[0]
+    leaf_rows = [line for line in lines if "[" in line and " bfloat16 " in line]
+    assert len(leaf_rows) == 199810
+    assert any(line.strip().startswith("129 ") and "1537 leaves" in line for line in lines)
+    assert int(peak_mb) < 300, f"peak RSS {peak_mb} MB"
+
+
+def test_show_into_a_closed_pipe_exits_0_quietly(moe_200k):
+    """`treecli show big | head -1`: the reader leaves early; no error, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "treecli", "show", str(moe_200k)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with proc.stdout, proc.stderr:
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(timeout=120) == 0
+        assert proc.stderr.read() == b""
+    assert b"199810 arrays" in first
+
+
 @pytest.mark.parametrize("content", [b"", b"\x01\x02\x03\x04\x05\x06\x07"])
 def test_empty_and_seven_byte_files(tmp_path, cli, content):
     path = tmp_path / "tiny.safetensors"

@@ -30,6 +30,7 @@ KeyPath = tuple  # tuple[str | int, ...]
 # Characters that force a key into brackets and quotes when formatted.
 _PLAIN_KEY = re.compile(r"[^.=*\[\]\"'\s]+")
 _DIGITS = re.compile(r"-?[0-9]+")
+_DIGIT_RUNS = re.compile(r"([0-9]+)")  # ASCII digits only: '²'.isdigit() but int('²') fails
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def _glob_regex(glob: str) -> re.Pattern:
 # format
 
 
+@lru_cache(maxsize=1 << 16, typed=True)  # keys repeat: "weight" 200k times in a big checkpoint
 def format_key(key: str | int) -> str:
     """Format one key as it appears in a key path (without the joining dot)."""
     if isinstance(key, int):
@@ -269,8 +271,11 @@ def natural_sort_key(key: str | int) -> tuple:
     """Sort key for display order: ``layers.2`` before ``layers.10``."""
     if isinstance(key, int):
         return (0, key, "")
-    parts = re.split(r"([0-9]+)", key)  # ASCII digits only: '²'.isdigit() but int('²') fails
-    return (1, 0, tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)))
+    # Text and digit runs alternate, text first, so each position compares like with like;
+    # a digit run sorts by value, then by spelling ("01" and "1" still get an order).
+    parts = _DIGIT_RUNS.split(key)
+    parts[1::2] = [(int(p), p) for p in parts[1::2]]
+    return (1, 0, tuple(parts))
 
 
 def closest(wanted: str, candidates: Iterable[str], limit: int = 3) -> list[str]:

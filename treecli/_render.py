@@ -2,21 +2,24 @@
 
 Tables are laid out here rather than with ``rich.table.Table``: for a 70B
 checkpoint (~3,000 rows) Rich's table layout alone took over a second, ten
-times the whole budget of ``show``. A *line* is a list of ``(text, style)``
-segments; the output object prints them plain (pipes) or styled (terminals).
+times the whole budget of ``show``. A *line* is a plain str or a list of
+``(text, style)`` segments; the output object prints them plain (pipes) or
+styled (terminals).
 User strings are never parsed as Rich markup (key paths contain ``[``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from operator import itemgetter
+from typing import Any, Iterable, Sequence
 
 from treecli import _summary
 from treecli._keypath import format_key
 from treecli._summary import Node
 
 Segment = tuple[str, str]  # (text, Rich style)
-Line = list[Segment]
+Line = str | list[Segment]  # a str is an unstyled line
 
 
 def human_bytes(n: int) -> str:
@@ -43,14 +46,18 @@ def human_count(n: int) -> str:
     raise AssertionError
 
 
-def table(header: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> list[Line]:
-    """Lay out rows of cells in aligned columns. A cell is a str or a list of segments."""
-    if all(isinstance(cell, str) for row in rows for cell in row):
-        # Unstyled (plain output): str.ljust is several times faster than segment lists.
-        all_rows = [header, *rows]
-        widths = [max(len(row[i]) for row in all_rows) for i in range(len(header))]
-        return [[("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                            for i, (cell, w) in enumerate(zip(row, widths))), "")] for row in all_rows]
+def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozenset()) -> Iterable[Line]:
+    """Lay out rows of cells in aligned columns. A cell is a str or a list of segments.
+
+    Rows of plain strings come back as a lazy iterator of lines (formatted as they
+    are printed, so a 333k-row table never exists twice in memory).
+    """
+    if set(map(type, itertools.chain.from_iterable(rows))) <= {str}:
+        # Unstyled (plain output): one str.format per row, all in C (the 333k rows of
+        # a 200k-tensor header in a fraction of a second).
+        widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0)) for i, title in enumerate(header)]
+        template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
+        return map(str.rstrip, itertools.starmap(template.format, itertools.chain([header], rows)))
     all_rows = [[[(h, "bold")] for h in header]]
     all_rows += [[[(c, "")] if isinstance(c, str) else c for c in row] for row in rows]
     lengths = [[sum(len(t) for t, _ in cell) for cell in row] for row in all_rows]
@@ -113,39 +120,50 @@ def _right(stats: bool) -> set[int]:
     return {3, 4} | ({5, 6, 7, 8, 9, 10, 11} if stats else set())
 
 
-def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> list[Line]:
+def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> Iterable[Line]:
     """The tree of ``show``: one row per node, guides (or indentation) before the key."""
-    rows: list[list[Any]] = []
+    rows: list[tuple] = []
+    shared: dict[tuple, list[str]] = {}  # most rows of a big tree repeat the cells of another
 
-    def add(node: Node, prefix: str, last: bool, level: int) -> None:
-        if plain:
-            lead, child_prefix = prefix, prefix + "  "
-        else:
-            lead = prefix + ("└── " if last else "├── ")
-            child_prefix = prefix + ("    " if last else "│   ")
-        key = format_key(node.key)
-        first = lead + key if plain else [(lead, "dim"), (key, "bold" if node.kind == "node" else "")]
-        rows.append([first, *_cells(node, stats)])
-        if node.kind == "node" and not (depth is not None and level >= depth):
-            for i, child in enumerate(node.children):
-                add(child, child_prefix, i == len(node.children) - 1, level + 1)
+    def cells(node: Node) -> list[str]:
+        if stats or node.kind == "value":
+            return _cells(node, stats)
+        key = (node.shape, node.dtype) if node.kind == "array" else (node.num_leaves, node.params, node.nbytes)
+        found = shared.get(key)
+        if found is None:
+            found = shared[key] = _cells(node, False)
+        return found
+
+    # One call per inner node, not per row: 333k rows for a 200k-tensor header.
+    def add_children(node: Node, prefix: str, level: int) -> None:
+        last_index = len(node.children) - 1
+        for i, child in enumerate(node.children):
+            key = format_key(child.key)
+            if plain:
+                lead, child_prefix = prefix, prefix + "  "
+                rows.append((lead + key, *cells(child)))
+            else:
+                last = i == last_index
+                lead = prefix + ("└── " if last else "├── ")
+                child_prefix = prefix + ("    " if last else "│   ")
+                rows.append(([(lead, "dim"), (key, "bold" if child.kind == "node" else "")], *cells(child)))
+            if child.kind == "node" and (depth is None or level < depth):
+                add_children(child, child_prefix, level + 1)
 
     if root.kind != "node":
-        rows.append(["<root>", *_cells(root, stats)])
-    for i, child in enumerate(root.children):
-        add(child, "", i == len(root.children) - 1, 1)
+        rows.append(("<root>", *_cells(root, stats)))
+    add_children(root, "", 1)
     return table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
 
 
-def flat_lines(root: Node, *, stats: bool = False) -> list[Line]:
+def flat_lines(root: Node, *, stats: bool = False) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
     rows = [[node.text_keypath or "<root>", *_cells(node, stats)] for node in _summary.leaves(root)]
     return table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
 
 
-def dtype_lines(root: Node) -> list[Line]:
-    """Totals by dtype, for the bottom of ``show``."""
-    totals = _summary.dtype_totals(root)
+def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]]) -> Iterable[Line]:
+    """Totals by dtype (``_summary.dtype_totals``), for the bottom of ``show``."""
     rows = [[dtype, str(count), human_count(params), human_bytes(nbytes)] for dtype, count, params, nbytes in totals]
     if len(totals) > 1:
         rows.append([[("total", "bold")], str(sum(r[1] for r in totals)), human_count(root.params),
@@ -153,18 +171,18 @@ def dtype_lines(root: Node) -> list[Line]:
     return table(["dtype", "arrays", "params", "size"], rows, {1, 2, 3})
 
 
-def metadata_lines(metadata: dict[str, Any]) -> list[Line]:
+def metadata_lines(metadata: dict[str, Any]) -> Iterable[Line]:
     rows = [[str(k), v if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
     return table(["metadata", "value"], rows)
 
 
-def headline(file: str, fmt: str, root: Node) -> Line:
-    arrays = sum(1 for n in _summary.leaves(root) if n.kind == "array")
+def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]]) -> Line:
+    arrays = sum(count for _, count, _, _ in totals)
     return [(file, "bold"), (f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · "
                              f"{human_bytes(root.nbytes)}", "")]
 
 
-def info_lines(info: dict[str, Any]) -> list[Line]:
+def info_lines(info: dict[str, Any]) -> Iterable[Line]:
     """Extra facts a format reports (the steps of a CheckpointManager root, ...), one per line."""
     lines = []
     for key, value in info.items():
@@ -174,18 +192,16 @@ def info_lines(info: dict[str, Any]) -> list[Line]:
 
 
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
-               flat: bool, depth: int | None, stats: bool, plain: bool) -> list[Line]:
-    """Everything ``show`` prints in human form."""
-    lines = [headline(file, fmt, root), *info_lines(info), []]
-    if flat:
-        lines += flat_lines(root, stats=stats)
-    else:
-        lines += tree_lines(root, depth=depth, stats=stats, plain=plain)
+               flat: bool, depth: int | None, stats: bool, plain: bool) -> Iterable[Line]:
+    """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
+    totals = _summary.dtype_totals(root)
+    parts: list[Iterable[Line]] = [[headline(file, fmt, root, totals)], info_lines(info), [[]]]
+    parts.append(flat_lines(root, stats=stats) if flat else tree_lines(root, depth=depth, stats=stats, plain=plain))
     if root.num_leaves:
-        lines += [[], *dtype_lines(root)]
+        parts += [[[]], dtype_lines(root, totals)]
     if metadata:
-        lines += [[], *metadata_lines(metadata)]
-    return lines
+        parts += [[[]], metadata_lines(metadata)]
+    return itertools.chain.from_iterable(parts)
 
 
 def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -62,10 +63,24 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit codes: 0 ok, 1 differences (diff), 2 error, 130 interrupted.
     """
-    from treecli._errors import TreecliError
-
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args
+    # A command runs once and exits: Python's cyclic collector would only walk the
+    # millions of long-lived objects of a big header again and again (half of
+    # `show`'s time on a 200k-tensor file). Reference counting frees as usual.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_app(args, debug)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _run_app(args: list[str], debug: bool) -> int:
+    from treecli._errors import TreecliError
+    from treecli.cli._output import OutputClosed
+
     try:
         result = app(args=args, prog_name="treecli", standalone_mode=False)
         if result == 130:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
@@ -91,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _print_error(e.format_message())
         return getattr(e, "exit_code", 2) or 2
-    except BrokenPipeError:  # `treecli show big | head`
+    except (BrokenPipeError, OutputClosed):  # `treecli show big | head`
         return 0
     except Exception as e:
         if debug:
@@ -111,11 +126,14 @@ def _print_error(headline: str, details: list[str] = ()) -> None:
 def run() -> None:
     """Console-script entry point."""
     code = main()
-    if code == 130:
-        # An interrupt can land while a worker thread of the prefetch pool is starting,
-        # before the pool registers it: interpreter exit would then wait on it forever.
-        # Outputs are already cleaned up; leave without joining threads.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
-    sys.exit(code)
+    # Leave without the interpreter's teardown: outputs are complete, fsynced and
+    # closed by now, and tearing down the objects of a 200k-tensor tree one by one
+    # took 0.2-0.4 s. After Ctrl-C this also matters for correctness: an interrupt
+    # can land while a worker thread of the prefetch pool is starting, before the
+    # pool registers it, and interpreter exit would then wait on it forever.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):  # `treecli show big | head` closed the pipe
+            pass
+    os._exit(code)

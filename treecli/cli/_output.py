@@ -11,8 +11,15 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+
+
+class OutputClosed(Exception):
+    """The reader of stdout went away (`treecli show big | head`): not an error.
+
+    Raised instead of BrokenPipeError, which Click would turn into exit code 1.
+    """
 
 
 class Output:
@@ -43,10 +50,15 @@ class Output:
     def print(self, renderable: Any) -> None:
         self.stdout.print(renderable, markup=False)
 
-    def lines(self, lines: list[list[tuple[str, str]]]) -> None:
-        """Print lines of ``(text, style)`` segments: plain text for pipes, styled on a terminal."""
+    def lines(self, lines: Iterable[str | list[tuple[str, str]]]) -> None:
+        """Print lines, each a str or a list of ``(text, style)`` segments: plain text for pipes,
+        styled on a terminal."""
         if self.plain:
-            sys.stdout.write("".join("".join(t for t, _ in line).rstrip() + "\n" for line in lines))
+            try:
+                sys.stdout.writelines((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n"
+                                      for line in lines)
+            except BrokenPipeError:
+                raise OutputClosed from None
             return
         from rich.text import Text
 
@@ -54,6 +66,9 @@ class Output:
         for i, line in enumerate(lines):
             if i:
                 text.append("\n")
+            if type(line) is str:
+                text.append(line)
+                continue
             for segment, style in line:
                 text.append(segment, style or None)
         self.stdout.print(text, markup=False, crop=True)

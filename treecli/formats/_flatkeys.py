@@ -20,17 +20,20 @@ def nest(items: list[tuple[str, Any]], separator: str) -> tuple[dict, str | None
     cannot nest (both ``a`` and ``a.b`` exist).
     """
     root: dict = {}
+    inner: dict[str, dict] = {}  # "a.b" -> the dict at a.b: sibling keys share it without a walk
     for key, leaf in items:
-        parts = key.split(separator)
-        node = root
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):  # `a` is a leaf and `a.b` wants it as a node
-                return _flat(items, key, separator)
-            node = child
-        if parts[-1] in node:  # `a.b` made `a` a node, or a duplicate
+        prefix, sep, last = key.rpartition(separator)
+        node = inner.get(prefix, root) if sep else root
+        if sep and node is root:
+            for part in prefix.split(separator):
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):  # `a` is a leaf and `a.b` wants it as a node
+                    return _flat(items, key, separator)
+                node = child
+            inner[prefix] = node
+        if last in node:  # `a.b` made `a` a node, or a duplicate
             return _flat(items, key, separator)
-        node[parts[-1]] = leaf
+        node[last] = leaf
     return root, None
 
 
