@@ -28,6 +28,18 @@ def llama_tensors(layers: int, hidden: int, inter: int, vocab: int, kv: int) -> 
     return out
 
 
+def moe_tensors(layers: int = 130, experts: int = 256) -> list[tuple[str, list[int]]]:
+    """A mixture-of-experts header with many small tensors (130 x 256: 199,810 tensors)."""
+    out = []
+    for i in range(layers):
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                p = f"model.layers.{i}.mlp.experts.{e}.{proj}."
+                out += [(p + "weight", [64, 32]), (p + "scale", [64])]
+        out.append((f"model.layers.{i}.input_layernorm.weight", [4096]))
+    return out
+
+
 def write_sparse_safetensors(path: Path, tensors: list[tuple[str, list[int]]], dtype: str = "BF16",
                              itemsize: int = 2) -> int:
     """A safetensors file with a real header and a hole for the data. Returns its size."""

@@ -7,6 +7,10 @@ app that parses the same headers with `json` and prints the rows with Rich.
 Both are timed as whole processes (imports included), output to a pipe, median
 of --runs runs; treecli is byte-compiled first, as an installed package is.
 Targets (issue 2): show <= 1.3x the reference, <= 0.25 s, same for both sizes (+-10 %).
+
+Then a 200k-tensor header (issue 8, case 30a: < 2 s, peak RSS < 300 MB), against
+the floor of any Python tool: `json.loads` of the header and one f-string print
+per tensor (Rich's table would take minutes on 200k rows).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _synth import llama_tensors, write_sharded, write_sparse_safetensors  # noqa: E402
+from _synth import llama_tensors, moe_tensors, write_sharded, write_sparse_safetensors  # noqa: E402
 
 REFERENCE_APP = r'''
 import json, struct, sys
@@ -45,6 +49,26 @@ def main(path: Path):
 
 typer.run(main)
 '''
+
+
+FLOOR_APP = r'''
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+header.pop("__metadata__", None)
+sys.stdout.writelines(f"{name}  {info['shape']}  {info['dtype']}\n" for name, info in header.items())
+'''
+
+PEAK_RSS = r'''
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)
+'''
+
+
+def peak_rss_mb(cmd: list[str]) -> int:
+    return int(subprocess.run([sys.executable, "-c", PEAK_RSS, *cmd], check=True, capture_output=True,
+                              text=True).stdout)
 
 
 def timed(cmd: list[str], runs: int) -> float:
@@ -81,6 +105,18 @@ def main() -> None:
         for label, size, ours, theirs in rows:
             print(f"{label:<20} {size / 1e9:>8.1f}GB {ours:>12.3f}s {theirs:>9.3f}s {ours / theirs:>6.2f}")
         print(f"size independence: {rows[0][2] / rows[1][2]:.2f} (70B time / 1 GB time)")
+
+        moe = tmp / "moe200k.safetensors"
+        write_sparse_safetensors(moe, moe_tensors())
+        floor = tmp / "floor.py"
+        floor.write_text(FLOOR_APP)
+        ours = timed(treecli + [str(moe)], max(3, args.runs // 2))
+        theirs = timed([sys.executable, str(floor), str(moe)], max(3, args.runs // 2))
+        with open(moe, "rb") as f:
+            header_mib = int.from_bytes(f.read(8), "little") / 2**20
+        print(f"\n{len(moe_tensors())} tensors ({header_mib:.1f} MiB of header JSON): "
+              f"treecli show {ours:.2f} s, {peak_rss_mb(treecli + [str(moe)])} MB peak RSS; "
+              f"floor (json + print) {theirs:.2f} s, {peak_rss_mb([sys.executable, str(floor), str(moe)])} MB")
 
 
 if __name__ == "__main__":
