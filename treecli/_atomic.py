@@ -9,10 +9,11 @@ and a later run removes those whose process is gone.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from treecli._errors import UsageError
 
@@ -32,6 +33,39 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Data written since the last hint, before the kernel is asked to start writing it
+# to disk. Without hints a 1 GiB output stays dirty in memory (under the kernel's
+# own threshold) and the final fsync then waits for all of it: `average` of
+# 3 x 1 GiB spent 1.8 s in that fsync after 1.5 s of computing.
+WRITEBACK_BYTES = 32 << 20
+
+
+class Writeback:
+    """Starts the disk writing a file's data while more is being produced.
+
+    Call it after each write; every WRITEBACK_BYTES it hands what was written
+    since to the kernel's writeback (posix_fadvise DONTNEED starts it, and lets
+    the kernel drop those pages once clean: a big output does not evict the inputs).
+    """
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self._hinted = 0
+        self._enabled = hasattr(os, "posix_fadvise")
+
+    def __call__(self) -> None:
+        if not self._enabled:
+            return
+        try:
+            end = self._f.tell()
+            if end - self._hinted >= WRITEBACK_BYTES:
+                self._f.flush()
+                os.posix_fadvise(self._f.fileno(), self._hinted, end - self._hinted, os.POSIX_FADV_DONTNEED)
+                self._hinted = end
+        except (AttributeError, OSError, io.UnsupportedOperation):  # not a plain file: only a hint is lost
+            self._enabled = False
 
 
 def _temp_name(target: Path) -> Path:

@@ -14,10 +14,11 @@ two or more dimensions, and needs N copies of each leaf in memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from treecli import _dtypes, _leaf, _tree
 from treecli._errors import StructureError, UsageError
@@ -154,8 +155,7 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
     acc_weights = [acc_dtype.type(w) for w in weights]
     bf16 = in_dtype.name == "bfloat16"
 
-    def compute(start: int, stop: int):
-        out = np.empty(stop - start, out_np)
+    def fill_chunk(start: int, stop: int, out) -> None:
         if in_dtype.itemsize < 4:
             # Casting 16-bit floats is compute-bound: use the second core too. For
             # fp32 the writer's prefetch thread already keeps both cores busy, and a
@@ -163,13 +163,13 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
             _leaf.in_two_halves(fill, start, stop, out, SUB_CHUNK)
         else:
             fill(start, stop, out)
-        return out
 
     def fill(start: int, stop: int, out) -> None:
+        with _scratch_buffers() as buffers:
+            fill_with(start, stop, out, *_typed(buffers, acc_dtype, in_dtype))
+
+    def fill_with(start: int, stop: int, out, acc, tmp, raw, wide) -> None:
         n = stop - start
-        m = min(n, SUB_CHUNK)
-        acc, tmp, raw = np.empty(m, acc_dtype), np.empty(m, acc_dtype), np.empty(m, in_dtype)
-        wide = np.empty(m, np.float32) if bf16 else None
         for s in range(0, n, SUB_CHUNK):
             e = min(n, s + SUB_CHUNK)
             a, t, r = acc[: e - s], tmp[: e - s], raw[: e - s]
@@ -196,7 +196,32 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
                     with report._lock:
                         report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
 
-    return _leaf.ComputedLeaf(leaves[0].shape, out_np, compute)
+    return _leaf.ComputedLeaf(leaves[0].shape, out_np, fill=fill_chunk)
+
+
+_scratch = threading.local()
+
+
+@contextlib.contextmanager
+def _scratch_buffers() -> Iterator[list]:
+    """Four work buffers of SUB_CHUNK float64s, reused by this thread from chunk to
+    chunk (an average of averages nests: each level takes its own set)."""
+    import numpy as np
+
+    free = _scratch.__dict__.setdefault("free", [])
+    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(4)]
+    try:
+        yield buffers
+    finally:
+        free.append(buffers)
+
+
+def _typed(buffers: list, acc_dtype, in_dtype) -> tuple:
+    """The scratch buffers as accumulator, product, raw input and widened bf16 arrays."""
+    import numpy as np
+
+    acc, tmp, raw, wide = buffers
+    return acc.view(acc_dtype), tmp.view(acc_dtype), raw.view(in_dtype)[:SUB_CHUNK], wide.view(np.float32)[:SUB_CHUNK]
 
 
 def _count_nonfinite_inputs(leaves, start, stop, keypath, names, report) -> None:

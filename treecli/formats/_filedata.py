@@ -60,6 +60,7 @@ class FileArrayLeaf(ArrayLeaf):
     """A leaf of ``shape`` and ``dtype`` stored in C order at ``offset`` of a file."""
 
     __slots__ = ("reader", "offset", "shape", "dtype_name")  # 200k-tensor headers: keep leaves small
+    fills_buffers = True
 
     def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader

@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from treecli import _dtypes, _leaf
+from treecli import _atomic, _dtypes, _leaf
 from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
@@ -198,7 +198,8 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         if options.warn:
             options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")
     real_dtypes = {}
-    with zipfile.ZipFile(target, "x", zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with open(target, "xb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        writeback = _atomic.Writeback(f)
         for key, leaf in entries:
             dtype = leaf.dtype
             if dtype.kind == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):
@@ -218,6 +219,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                 for chunk in _leaf.iter_chunks(leaf):
                     raw = chunk.reshape(-1).view(np.uint8)
                     member.write(raw)
+                    writeback()
                     if options.progress:
                         options.progress(raw.nbytes)
         if real_dtypes:

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from treecli import _dtypes, _gc, _leaf
+from treecli import _atomic, _dtypes, _gc, _leaf
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
@@ -438,6 +438,7 @@ def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptio
     import numpy as np
 
     written = 0
+    writeback = _atomic.Writeback(f)
     for chunk in _leaf.iter_chunks(leaf):
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
@@ -446,6 +447,7 @@ def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptio
             chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
         raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
         f.write(raw)
+        writeback()
         written += raw.nbytes
         if options.progress:
             options.progress(raw.nbytes)
