@@ -132,3 +132,13 @@ def _no_color(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("COLUMNS", "200")
     os.umask(0o022)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Multi-GB cases run only when asked for: ``pytest -m slow``."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="multi-GB case: run by hand with `pytest -m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
