@@ -55,7 +55,8 @@ def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozen
     if set(map(type, itertools.chain.from_iterable(rows))) <= {str}:
         # Unstyled (plain output): one str.format per row, all in C (the 333k rows of
         # a 200k-tensor header in a fraction of a second).
-        widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0)) for i, title in enumerate(header)]
+        widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0))
+                  for i, title in enumerate(header)]
         template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
         return map(str.rstrip, itertools.starmap(template.format, itertools.chain([header], rows)))
     all_rows = [[[(h, "bold")] for h in header]]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from treecli import _dtypes, _keypath, _leaf, _tree
-from treecli._keypath import KeyPath, format_keypath, natural_sort_key
+from treecli._keypath import KeyPath, format_keypath
 
 
 @dataclass(slots=True)
@@ -57,13 +57,13 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
     def build(node: dict | list | tuple, keypath: KeyPath) -> Node | None:
         kids = []
         nbytes = params = num_leaves = 0
-        for k in sorted(node, key=natural_sort_key) if isinstance(node, dict) else range(len(node)):
+        for k in _tree.child_keys(node):
             child = node[k]
             if isinstance(child, _leaf.ArrayLeaf) and not patterns:
                 size = math.prod(child.shape)
                 row = Node(k, keypath + (k,), "array", [], child.shape, child.dtype_name,
                            size * _dtypes.itemsize(child.dtype_name), size, 1)
-            elif isinstance(child, (dict, list, tuple)) and child:
+            elif _tree.is_node(child):
                 row = build(child, keypath + (k,))
             else:
                 row = leaf_row(k, keypath + (k,), child)
@@ -76,7 +76,7 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             return None
         return Node(keypath[-1] if keypath else None, keypath, "node", kids, None, None, nbytes, params, num_leaves)
 
-    if isinstance(tree, (dict, list, tuple)) and tree:
+    if _tree.is_node(tree):
         return build(tree, ())
     return leaf_row(None, (), tree) or Node(key=None, keypath=(), kind="node")
 

@@ -24,11 +24,14 @@ def is_node(value: Any) -> bool:
     return isinstance(value, (dict, list, tuple)) and len(value) > 0
 
 
+def child_keys(node: Any) -> list | range:
+    """The keys of an inner node's children, in display order."""
+    return sorted(node, key=_keypath.natural_sort_key) if isinstance(node, dict) else range(len(node))
+
+
 def children(node: Any) -> list[tuple[Any, Any]]:
     """``(key, child)`` pairs of an inner node, in display order."""
-    if isinstance(node, dict):
-        return [(k, node[k]) for k in sorted(node, key=_keypath.natural_sort_key)]
-    return list(enumerate(node))
+    return [(k, node[k]) for k in child_keys(node)]
 
 
 def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
