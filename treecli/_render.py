@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from operator import itemgetter
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from treecli import _summary
 from treecli._keypath import format_key
@@ -121,10 +121,10 @@ def _right(stats: bool) -> set[int]:
     return {3, 4} | ({5, 6, 7, 8, 9, 10, 11} if stats else set())
 
 
-def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> Iterable[Line]:
-    """The tree of ``show``: one row per node, guides (or indentation) before the key."""
-    rows: list[tuple] = []
-    shared: dict[tuple, list[str]] = {}  # most rows of a big tree repeat the cells of another
+def _cells_memo(stats: bool) -> Callable[[Node], list[str]]:
+    """``_cells`` for one table: without stats, rows that show the same share one list
+    (most rows of a big tree repeat another's shape, dtype and sizes)."""
+    shared: dict[tuple, list[str]] = {}
 
     def cells(node: Node) -> list[str]:
         if stats or node.kind == "value":
@@ -134,6 +134,14 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
         if found is None:
             found = shared[key] = _cells(node, False)
         return found
+
+    return cells
+
+
+def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> Iterable[Line]:
+    """The tree of ``show``: one row per node, guides (or indentation) before the key."""
+    rows: list[tuple] = []
+    cells = _cells_memo(stats)
 
     # One call per inner node, not per row: 333k rows for a 200k-tensor header.
     def add_children(node: Node, prefix: str, level: int) -> None:
@@ -159,7 +167,8 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
 
 def flat_lines(root: Node, *, stats: bool = False) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
-    rows = [[node.text_keypath or "<root>", *_cells(node, stats)] for node in _summary.leaves(root)]
+    cells = _cells_memo(stats)
+    rows = [(node.text_keypath or "<root>", *cells(node)) for node in _summary.leaves(root)]
     return table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
 
 
