@@ -11,6 +11,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -132,6 +133,55 @@ def _no_color(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("COLUMNS", "200")
     os.umask(0o022)
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+KILL_EDIT = r"""
+import sys
+from treecli.cli import main
+sys.exit(main(["edit", sys.argv[1], "-o", sys.argv[2], "--force", "--scale", "**=0.5", "--quiet"]))
+"""
+
+
+def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, float],
+                     is_complete: Callable[[Path], bool]) -> dict[str, int]:
+    """SIGKILL `treecli edit SRC -o OUT` at random moments, every other trial with an old
+    output in place. Asserts that each time OUT is the old bytes, absent, or complete
+    (``is_complete``), never torn, and the input untouched; returns how often each happened."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    src_digest = file_sha256(src)
+    outcomes = {"old": 0, "absent": 0, "new": 0}
+    for trial in range(trials):
+        old = b"previous output %d" % trial if trial % 2 == 0 else None
+        if old is None:
+            out.unlink(missing_ok=True)
+        else:
+            out.write_bytes(old)
+        proc = subprocess.Popen([sys.executable, "-c", KILL_EDIT, str(src), str(out)])
+        time.sleep(random.uniform(*delays))
+        proc.kill()
+        proc.wait()
+        if not out.exists():
+            assert old is None
+            outcomes["absent"] += 1
+        elif old is not None and out.read_bytes() == old:
+            outcomes["old"] += 1
+        else:
+            assert is_complete(out)
+            outcomes["new"] += 1
+    assert file_sha256(src) == src_digest
+    leftovers = [p.name for p in out.parent.iterdir() if p not in (src, out)]
+    assert all(name.startswith(".treecli-tmp-") for name in leftovers), leftovers
+    assert outcomes["old"] + outcomes["absent"] > 0, outcomes  # some kills did land mid-write
+    return outcomes
 
 
 def pytest_collection_modifyitems(config, items):

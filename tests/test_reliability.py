@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 import treecli
 from treecli._errors import TreecliError
 
-from .conftest import assert_clean_error, bits, snapshot
+from .conftest import assert_clean_error, bits, kill_edit_trials, snapshot
 
 RUN = [sys.executable, "-m", "treecli"]
 
@@ -475,42 +475,12 @@ def test_fuzz_crashers_are_clean_errors(tmp_path, cli):
     assert_clean_error(cli("show", tmp_path / "short.eqx"), "not a .npy record")
 
 
-KILL_EDIT = r"""
-import sys
-from treecli.cli import main
-sys.exit(main(["edit", sys.argv[1], "-o", sys.argv[2], "--force", "--scale", "**=0.5", "--quiet"]))
-"""
-
-
 def test_kill_9_during_a_write_leaves_the_old_output_or_none_20_trials(tmp_path):
     """SIGKILL at random moments while the output grows, 10 trials with an existing output
     and 10 without: the output is the old bytes, absent, or complete; never torn."""
-    import hashlib
     import random
 
     src = _big_input(tmp_path, mib=48)
-    out = tmp_path / "out.safetensors"
     random.seed(1)
-    outcomes = {"old": 0, "absent": 0, "new": 0}
-    for trial in range(20):
-        old = b"previous output %d" % trial if trial % 2 == 0 else None
-        if old is None:
-            out.unlink(missing_ok=True)
-        else:
-            out.write_bytes(old)
-        proc = subprocess.Popen([sys.executable, "-c", KILL_EDIT, str(src), str(out)])
-        time.sleep(random.uniform(0.15, 1.0))
-        proc.kill()
-        proc.wait()
-        if not out.exists():
-            assert old is None
-            outcomes["absent"] += 1
-        elif old is not None and out.read_bytes() == old:
-            outcomes["old"] += 1
-        else:
-            assert len(deserialize(out.read_bytes())) == 12  # complete and valid
-            outcomes["new"] += 1
-        assert hashlib.sha256(src.read_bytes()).digest()  # the input is still readable
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("big.safetensors", "out.safetensors")]
-    assert all(name.startswith(".treecli-tmp-") for name in leftovers)
-    assert outcomes["old"] + outcomes["absent"] > 0, outcomes  # some kills did land mid-write
+    kill_edit_trials(src, tmp_path / "out.safetensors", 20, (0.15, 1.0),
+                     lambda out: len(deserialize(out.read_bytes())) == 12)  # complete and valid

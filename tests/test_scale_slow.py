@@ -6,7 +6,6 @@ disk with 40 GB free; CI runs the small variants in test_reliability.py.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pty
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from .conftest import KILL_EDIT, file_sha256, kill_edit_trials
 
 pytestmark = pytest.mark.slow
 
@@ -108,53 +109,15 @@ def _drain(fd: int, into: bytearray) -> None:
         into.extend(data)
 
 
-KILL_EDIT = r"""
-import sys
-from treecli.cli import main
-sys.exit(main(["edit", sys.argv[1], "-o", sys.argv[2], "--force", "--scale", "**=0.5", "--quiet"]))
-"""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def test_kill_9_during_a_1_gib_write_leaves_the_old_output_none_or_the_complete_new_one(tmp_path):
     """Case 17 at 1 GiB: 10 SIGKILLs at random moments of `edit -o` (5 with an old output)."""
     src = tmp_path / "big.safetensors"
     _write_fp32_checkpoint(src, leaves=2, seed=0)
-    src_digest = _sha256(src)
     out = tmp_path / "out.safetensors"
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", KILL_EDIT, str(src), str(out)], check=True)
     full = time.perf_counter() - start
-    expected = _sha256(out)
+    expected = file_sha256(out)
     random.seed(17)
-    outcomes = {"old": 0, "absent": 0, "new": 0}
-    for trial in range(10):
-        old = b"previous output %d" % trial if trial % 2 == 0 else None
-        if old is None:
-            out.unlink(missing_ok=True)
-        else:
-            out.write_bytes(old)
-        proc = subprocess.Popen([sys.executable, "-c", KILL_EDIT, str(src), str(out)])
-        time.sleep(random.uniform(0.2, full))
-        proc.kill()
-        proc.wait()
-        if not out.exists():
-            assert old is None
-            outcomes["absent"] += 1
-        elif old is not None and out.read_bytes() == old:
-            outcomes["old"] += 1
-        else:
-            assert _sha256(out) == expected  # complete, bit for bit
-            outcomes["new"] += 1
-    assert _sha256(src) == src_digest  # the input untouched
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("big.safetensors", "out.safetensors")]
-    assert all(name.startswith(".treecli-tmp-") for name in leftovers), leftovers
-    assert outcomes["old"] + outcomes["absent"] > 0, outcomes  # some kills did land mid-write
+    outcomes = kill_edit_trials(src, out, 10, (0.2, full), lambda path: file_sha256(path) == expected)  # bit for bit
     print(f"1 GiB kill -9: {outcomes}, an uninterrupted write takes {full:.1f} s")
