@@ -147,6 +147,9 @@ def test_malformed_headers_are_format_errors(tmp_path, name):
         raw_safetensors({"b": _entry(offsets=(4, 8)), "a": _entry()}, b"\0" * 8),  # out of order, contiguous
         raw_safetensors({}),  # no tensors
         raw_safetensors({"a": _entry(shape=(2, 0), offsets=(0, 0)), "s": _entry(shape=())}, b"\0" * 4),
+        raw_safetensors({"__metadata__": None, "a": _entry()}, b"\0" * 4),  # null metadata
+        raw_safetensors({"a": {"data_offsets": [0, 4], "extra": {"k": [1]}, "shape": [1], "dtype": "F32"}},
+                        b"\0" * 4),  # other field order, an unknown field
     ],
 )
 def test_valid_edge_cases_load_like_the_reference(tmp_path, content):

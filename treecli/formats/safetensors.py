@@ -131,16 +131,19 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
 
 
 def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tuple[dict, dict[str, str], int]:
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] = {}
+    seen_metadata = False
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     spans = []
     for name, info in pairs:
         if name == "__metadata__":
-            if metadata is not None:
+            if seen_metadata:
                 raise FormatError(f"duplicate key {name!r} in the header", file=file)
-            metadata = _as_dict(info, file)
-            if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-                raise FormatError("__metadata__ must be an object of strings", file=file)
+            seen_metadata = True
+            if info is not None:  # null: no metadata, as the reference reads it
+                metadata = _as_dict(info, file)
+                if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+                    raise FormatError("__metadata__ must be an object of strings", file=file)
             continue
         dtype, shape, begin, end = _check_entry(name, info, file)
         if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
@@ -159,7 +162,7 @@ def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tup
             seen.add(name)
     spans.sort()
     _check_tiling(spans, size, data_start, file)
-    return tensors, metadata or {}, data_start
+    return tensors, metadata, data_start
 
 
 def _check_tiling(spans: list, size: int, data_start: int, file: str) -> None:
