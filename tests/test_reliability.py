@@ -392,6 +392,18 @@ def test_show_into_a_closed_pipe_exits_0_quietly(moe_200k):
     assert b"199810 arrays" in first
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("as_json", [False, True])
+def test_show_into_a_full_disk_is_one_clean_error(mixed_file, as_json):
+    """`treecli show ckpt > file` on a full disk: exit 2 and one line, not a silent success."""
+    path, _ = mixed_file
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*RUN, "show", str(path), *(["--json"] if as_json else [])], stdout=full,
+                              stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr == "treecli: error: cannot write standard output: No space left on device\n"
+
+
 @pytest.mark.parametrize("content", [b"", b"\x01\x02\x03\x04\x05\x06\x07"])
 def test_empty_and_seven_byte_files(tmp_path, cli, content):
     path = tmp_path / "tiny.safetensors"

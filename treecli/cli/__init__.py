@@ -131,9 +131,15 @@ def run() -> None:
     # took 0.2-0.4 s. After Ctrl-C this also matters for correctness: an interrupt
     # can land while a worker thread of the prefetch pool is starting, before the
     # pool registers it, and interpreter exit would then wait on it forever.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, OSError):  # `treecli show big | head` closed the pipe
-            pass
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # `treecli show big | head` closed the pipe
+        pass
+    except OSError as e:  # `treecli show big > file` on a full disk: not a success
+        _print_error(f"cannot write standard output: {e.strerror or e}")
+        code = code or 2
+    try:
+        sys.stderr.flush()
+    except OSError:
+        pass
     os._exit(code)

@@ -54,11 +54,9 @@ class Output:
         """Print lines, each a str or a list of ``(text, style)`` segments: plain text for pipes,
         styled on a terminal."""
         if self.plain:
-            try:
+            with _writing_stdout():
                 sys.stdout.writelines((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n"
                                       for line in lines)
-            except BrokenPipeError:
-                raise OutputClosed from None
             return
         from rich.text import Text
 
@@ -74,7 +72,8 @@ class Output:
         self.stdout.print(text, markup=False, crop=True)
 
     def json(self, document: Any) -> None:
-        sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+        with _writing_stdout():
+            sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
     def warn(self, message: str) -> None:
         sys.stderr.write(f"treecli: warning: {message}\n")
@@ -100,6 +99,19 @@ class Output:
         with Progress(*columns, console=self.stderr, transient=True) as bar:
             task = bar.add_task(description, total=total_bytes)
             yield lambda n: bar.advance(task, n)
+
+
+@contextlib.contextmanager
+def _writing_stdout() -> Iterator[None]:
+    """A reader that went away is not an error; a full disk behind `> file` is one."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise OutputClosed from None
+    except OSError as e:
+        from treecli._errors import TreecliError
+
+        raise TreecliError(f"cannot write standard output: {e.strerror or e}") from None
 
 
 def _isatty(stream: Any) -> bool:
