@@ -128,3 +128,44 @@ def test_show_of_the_bundled_example(cli):
     assert document["num_leaves"] == 19
     assert {leaf["dtype"] for leaf in document["leaves"]} == {"bfloat16", "float32", "float16", "int64"}
     assert json.loads(json.dumps(document)) == document
+
+
+def _show_on_a_terminal(path, columns: int, *args: str) -> str:
+    """Run `treecli show` with stdout on a pseudo-terminal; what the terminal received."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "COLUMNS": str(columns)}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "treecli", "show", str(path), *args], stdout=secondary,
+                            stderr=subprocess.PIPE, env=env)
+    os.close(secondary)
+    received = bytearray()
+    while True:
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not data:
+            break
+        received.extend(data)
+    os.close(primary)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    proc.stderr.close()
+    return received.decode().replace("\r\n", "\n")
+
+
+def test_show_on_a_terminal_draws_guides_with_styles_and_crops_to_its_width(mixed_file):
+    path, _ = mixed_file
+    wide = _show_on_a_terminal(path, 200).splitlines()
+    assert wide[0].startswith(f"\x1b[1m{path}\x1b[0m  safetensors · 13 arrays")
+    assert any(line.startswith("\x1b[2m├── \x1b[0m\x1b[1mmodel\x1b[0m") for line in wide)  # dim guide, bold node
+    assert any("\x1b[2m│   " in line and "[10, 4]" in line for line in wide)
+    narrow = _show_on_a_terminal(path, 30).splitlines()
+    visible = [line.replace("\x1b[1m", "").replace("\x1b[2m", "").replace("\x1b[0m", "") for line in narrow]
+    assert max(map(len, visible)) == 30
+    assert any(line.endswith("…") for line in visible)
+    assert len(narrow) == len(wide)  # cropped, never wrapped
