@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
@@ -61,11 +60,13 @@ class Output:
                 sys.stdout.writelines((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n"
                                       for line in lines)
             return
-        # A terminal: bold and dim as ANSI codes, each line cropped to the terminal's width.
-        # (Rich's Text took a minute to lay out the 333k lines of a 200k-tensor tree.)
-        width = shutil.get_terminal_size().columns
+        # A terminal: Rich's console decides the width and the escape codes of each style;
+        # the lines are laid out here (Rich's Text took a minute to lay out the 333k lines
+        # of a 200k-tensor tree).
+        console = self.stdout
+        width, codes = console.width, _StyleCodes(console.color_system is not None)
         with _writing_stdout():
-            sys.stdout.writelines(_styled(line, width) + "\n" for line in lines)
+            sys.stdout.writelines(_styled(line, width, codes) + "\n" for line in lines)
 
     def json(self, document: Any) -> None:
         with _writing_stdout():
@@ -97,11 +98,22 @@ class Output:
             yield lambda n: bar.advance(task, n)
 
 
-_SGR = {"bold": "\x1b[1m", "dim": "\x1b[2m"}
-_RESET = "\x1b[0m"
+class _StyleCodes(dict):
+    """Style name -> (start, end) escape codes, as Rich renders them; empty without colour."""
+
+    def __init__(self, enabled: bool):
+        super().__init__()
+        self._enabled = enabled
+
+    def __missing__(self, style: str) -> tuple[str, str]:
+        from rich.style import Style
+
+        start, end = Style.parse(style).render("\0").split("\0") if self._enabled else ("", "")
+        self[style] = (start, end)
+        return start, end
 
 
-def _styled(line: str | list[tuple[str, str]], width: int) -> str:
+def _styled(line: str | list[tuple[str, str]], width: int, codes: _StyleCodes) -> str:
     """One line for a terminal: its segments with their styles, trailing blanks dropped,
     cut to ``width`` characters with an ellipsis when longer (as Rich's crop does)."""
     segments = [(line, "")] if type(line) is str else line
@@ -113,8 +125,11 @@ def _styled(line: str | list[tuple[str, str]], width: int) -> str:
             break
         text = text[:limit]
         limit -= len(text)
-        if text:
-            parts.append(f"{_SGR[style]}{text}{_RESET}" if style else text)
+        if text and style:
+            start, end = codes[style]
+            parts.append(f"{start}{text}{end}")
+        elif text:
+            parts.append(text)
     if visible > width:
         parts.append("…")
     return "".join(parts)
