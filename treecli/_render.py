@@ -47,37 +47,39 @@ def human_count(n: int) -> str:
 
 
 def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozenset()) -> Iterable[Line]:
-    """Lay out rows of cells in aligned columns. A cell is a str or a list of segments.
+    """Lay out rows of cells in aligned columns, lazily (a 333k-row table is formatted
+    as it is printed, never held twice in memory).
 
-    Rows of plain strings come back as a lazy iterator of lines (formatted as they
-    are printed, so a 333k-row table never exists twice in memory).
+    A cell is a str; the first cell of a row may instead be a list of segments (a
+    styled key). Rows of plain strings give plain lines; otherwise the header is bold.
     """
-    if set(map(type, itertools.chain.from_iterable(rows))) <= {str}:
-        # Unstyled (plain output): one str.format per row, all in C (the 333k rows of
-        # a 200k-tensor header in a fraction of a second).
-        widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0))
-                  for i, title in enumerate(header)]
-        template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
+    # The columns after the first are plain text: one str.format per row, all in C.
+    widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0))
+              for i, title in enumerate(header) if i]
+    formats = [f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths, 1)]
+    firsts = list(map(itemgetter(0), rows))
+    if set(map(type, firsts)) <= {str}:
+        width = max(len(header[0]), max(map(len, firsts), default=0))
+        template = "  ".join([f"{{:{'>' if 0 in right else '<'}{width}}}", *formats])
         return map(str.rstrip, itertools.starmap(template.format, itertools.chain([header], rows)))
-    all_rows = [[[(h, "bold")] for h in header]]
-    all_rows += [[[(c, "")] if isinstance(c, str) else c for c in row] for row in rows]
-    lengths = [[sum(len(t) for t, _ in cell) for cell in row] for row in all_rows]
-    widths = [max(row[i] for row in lengths) for i in range(len(header))]
-    lines = []
-    for row, row_lengths in zip(all_rows, lengths):
-        line: Line = []
-        for i, (cell, length) in enumerate(zip(row, row_lengths)):
-            pad = (" " * (widths[i] - length), "")
-            if i:
-                line.append(("  ", ""))
-            if i in right:
-                line.append(pad)
-                line.extend(cell)
-            else:
-                line.extend(cell)
-                line.append(pad)
-        lines.append(line)
-    return lines
+    lengths = [len(c) if type(c) is str else sum(len(text) for text, _ in c) for c in firsts]
+    width = max(len(header[0]), *lengths)
+    tail = "".join("  " + f for f in formats)
+    tails = itertools.starmap(tail.format, map(itemgetter(slice(1, None)), rows))
+    first_format = f"{{:{'>' if 0 in right else '<'}{width}}}"
+    head: Line = [(first_format.format(header[0]), "bold")]
+    for f, title in zip(formats, header[1:]):
+        head += [("  ", ""), (f.format(title), "bold")]
+
+    def line(first: str | list[Segment], length: int, rest: str) -> Line:
+        segments = [(first, "")] if type(first) is str else list(first)
+        pad = " " * (width - length)
+        if 0 in right:
+            return [(pad, ""), *segments, (rest, "")]
+        segments.append((pad + rest, ""))
+        return segments
+
+    return itertools.chain([head], map(line, firsts, lengths, tails))
 
 
 def format_shape(shape: tuple[int, ...]) -> str:

@@ -10,6 +10,7 @@ and other renderables.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -56,17 +57,19 @@ class Output:
         """Print lines, each a str or a list of ``(text, style)`` segments: plain text for pipes,
         styled on a terminal."""
         if self.plain:
-            with _writing_stdout():
-                sys.stdout.writelines((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n"
-                                      for line in lines)
-            return
-        # A terminal: Rich's console decides the width and the escape codes of each style;
-        # the lines are laid out here (Rich's Text took a minute to lay out the 333k lines
-        # of a 200k-tensor tree).
-        console = self.stdout
-        width, codes = console.width, _StyleCodes(console.color_system is not None)
+            texts = ((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n" for line in lines)
+        else:
+            # A terminal: Rich's console decides the width and the escape codes of each style;
+            # the lines are laid out here (Rich's Text took a minute to lay out the 333k lines
+            # of a 200k-tensor tree).
+            console = self.stdout
+            width, codes = console.width, _StyleCodes(console.color_system is not None)
+            texts = (_styled(line, width, codes) + "\n" for line in lines)
+        # In batches: a terminal's stdout is line-buffered, and one write per line was
+        # 333k system calls for a big tree.
         with _writing_stdout():
-            sys.stdout.writelines(_styled(line, width, codes) + "\n" for line in lines)
+            for batch in iter(lambda: "".join(itertools.islice(texts, 4096)), ""):
+                sys.stdout.write(batch)
 
     def json(self, document: Any) -> None:
         with _writing_stdout():
@@ -118,21 +121,19 @@ def _styled(line: str | list[tuple[str, str]], width: int, codes: _StyleCodes) -
     cut to ``width`` characters with an ellipsis when longer (as Rich's crop does)."""
     segments = [(line, "")] if type(line) is str else line
     visible = len("".join(text for text, _ in segments).rstrip())
-    limit = visible if visible <= width else max(width - 1, 0)
+    if visible <= width:  # the common case: nothing to cut
+        return "".join(f"{codes[style][0]}{text}{codes[style][1]}" if style else text
+                       for text, style in segments).rstrip()
+    room = max(width - 1, 0)
     parts = []
     for text, style in segments:
-        if limit <= 0:
+        text = text[:room]
+        room -= len(text)
+        if text:
+            parts.append(f"{codes[style][0]}{text}{codes[style][1]}" if style else text)
+        if room <= 0:
             break
-        text = text[:limit]
-        limit -= len(text)
-        if text and style:
-            start, end = codes[style]
-            parts.append(f"{start}{text}{end}")
-        elif text:
-            parts.append(text)
-    if visible > width:
-        parts.append("…")
-    return "".join(parts)
+    return "".join(parts) + "…"
 
 
 @contextlib.contextmanager
