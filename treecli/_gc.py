@@ -1,4 +1,5 @@
-"""Pausing Python's cyclic garbage collector while a big metadata tree is built.
+"""Pausing Python's cyclic garbage collector while a big metadata tree is built
+(a header parse, for library callers) or for a whole CLI command.
 
 Parsing a 200k-tensor header and building its summary allocate millions of
 long-lived containers and no garbage cycles; the collector's repeated passes

@@ -7,12 +7,12 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
 import typer
 
+from treecli import _gc
 from treecli.cli.average import average
 from treecli.cli.convert import convert
 from treecli.cli.diff import diff
@@ -68,13 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     # A command runs once and exits: Python's cyclic collector would only walk the
     # millions of long-lived objects of a big header again and again (half of
     # `show`'s time on a 200k-tensor file). Reference counting frees as usual.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc.paused():
         return _run_app(args, debug)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _run_app(args: list[str], debug: bool) -> int:

@@ -23,8 +23,9 @@ def nest(items: list[tuple[str, Any]], separator: str) -> tuple[dict, str | None
     inner: dict[str, dict] = {}  # "a.b" -> the dict at a.b: sibling keys share it without a walk
     for key, leaf in items:
         prefix, sep, last = key.rpartition(separator)
-        node = inner.get(prefix, root) if sep else root
-        if sep and node is root:
+        node = inner.get(prefix) if sep else root
+        if node is None:  # the first key under this prefix: walk (and make) its path
+            node = root
             for part in prefix.split(separator):
                 child = node.setdefault(part, {})
                 if not isinstance(child, dict):  # `a` is a leaf and `a.b` wants it as a node
