@@ -49,6 +49,46 @@ def test_accuracy_against_a_float64_reference(dtype):
         assert ulp_distance(got, ref, dtype).max() <= 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_leaves_computed_in_blocks_on_two_threads_match_the_reference(dtype):
+    from treecli._average import SUB_CHUNK
+
+    rng = np.random.default_rng(2)
+    size = 2 * SUB_CHUNK + 12345  # three blocks, the last one short
+    arrays = [rng.standard_normal(size).astype(dtype) for _ in range(3)]
+    got = materialize(average([{"w": a} for a in arrays], [1, 2, 3])[0])["w"]
+    ref = reference(arrays, [1, 2, 3])
+    if dtype is np.float32:
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    else:
+        assert ulp_distance(got, ref, dtype).max() <= 1
+
+
+def test_two_threads_fill_each_block_once_and_pass_on_an_error():
+    import threading
+
+    from treecli import _leaf
+
+    out = np.zeros(1000, np.int64)
+    calls, lock = [], threading.Lock()
+
+    def fill(start, stop, part):
+        part[:] = np.arange(start, stop)
+        with lock:
+            calls.append((start, stop))
+
+    _leaf.on_two_threads(fill, 5, 1005, out, 64)
+    assert (out == np.arange(5, 1005)).all()
+    assert sorted(calls) == [(s, min(1005, s + 64)) for s in range(5, 1005, 64)]
+
+    def failing(start, stop, part):
+        if start == 5 + 3 * 64:
+            raise ValueError("block 3 is bad")
+
+    with pytest.raises(ValueError, match="block 3 is bad"):
+        _leaf.on_two_threads(failing, 5, 1005, out, 64)
+
+
 def test_fp16_values_near_the_maximum_do_not_overflow():
     arrays = [np.full(1000, 65504, np.float16), np.full(1000, 65504, np.float16), np.full(1000, 65000, np.float16)]
     got = materialize(average([{"w": a} for a in arrays])[0])["w"]

@@ -24,10 +24,10 @@ from treecli import _dtypes, _leaf, _tree
 from treecli._errors import StructureError, UsageError
 from treecli._keypath import format_keypath
 
-# Elements per inner step, with float64 buffers. Measured here (3 x 0.5 GiB, two
-# halves on two threads, noisy machine): bf16 64K 1.5-2.2 s, 128K 1.05-1.4 s,
-# 256K 2.2 s; fp32 64K 0.8 s, 128K 0.58 s, 256K 1.1 s. Small steps lose to GIL
-# hand-offs between the threads, large ones to cache misses.
+# Elements per inner step, and per block handed to a thread, with float64 buffers.
+# Measured here (3 x 0.5 GiB, two threads, noisy machine): bf16 64K 1.5-2.2 s,
+# 128K 1.05-1.4 s, 256K 2.2 s; fp32 64K 0.8 s, 128K 0.58 s, 256K 1.1 s. Small
+# steps lose to per-call overhead and GIL hand-offs, large ones to cache misses.
 SUB_CHUNK = 128 * 1024
 
 
@@ -153,40 +153,29 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
     acc_dtype = _dtypes.accumulator(in_dtype)
     out_np = _dtypes.numpy_dtype(_dtypes.name(out_dtype))
     acc_weights = [acc_dtype.type(w) for w in weights]
-    bf16 = in_dtype.name == "bfloat16"
 
     def fill_chunk(start: int, stop: int, out) -> None:
-        if in_dtype.itemsize < 4:
-            # Casting 16-bit floats is compute-bound: use the second core too. For
-            # fp32 the writer's prefetch thread already keeps both cores busy, and a
-            # third thread measured slower (1.6 s alone vs 2.2 s split, 3 x 0.5 GiB).
-            _leaf.in_two_halves(fill, start, stop, out, SUB_CHUNK)
-        else:
-            fill(start, stop, out)
+        # Two threads take SUB_CHUNK blocks in turn (3 x 1 GiB, medians of 5: fp32 1.71 s
+        # on one thread vs 1.60 s on two; bf16, whose casts cost more, gains more).
+        _leaf.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
     def fill(start: int, stop: int, out) -> None:
         with _scratch_buffers() as buffers:
             fill_with(start, stop, out, *_typed(buffers, acc_dtype, in_dtype))
 
-    def fill_with(start: int, stop: int, out, acc, tmp, raw, wide) -> None:
+    def fill_with(start: int, stop: int, out, acc, tmp, raw) -> None:
         n = stop - start
         for s in range(0, n, SUB_CHUNK):
             e = min(n, s + SUB_CHUNK)
             a, t, r = acc[: e - s], tmp[: e - s], raw[: e - s]
             for i, (leaf, w) in enumerate(zip(leaves, acc_weights)):
                 leaf.read_into(start + s, start + e, r)
-                if bf16:
-                    # bf16 is the top half of a float32: widen with a native shift, exactly.
-                    # (ml_dtypes' own cast holds the GIL, which serializes the two halves.)
-                    np.left_shift(r.view(np.uint16), 16, out=wide[: e - s].view(np.uint32), dtype=np.uint32)
-                    r = wide[: e - s]
-                # The ufunc casts r to float64 in its own small buffers: one pass, exact products.
+                # The ufunc widens r to float64 in its own small buffers: one pass, exact products.
                 if i == 0:
                     np.multiply(r, w, out=a)
                 else:
                     np.multiply(r, w, out=t)
                     a += t
-                r = raw[: e - s]
             if not np.isfinite(a).all():
                 _count_nonfinite_inputs(leaves, start + s, start + e, keypath, names, report)
             out[s:e] = a  # round to nearest even into the leaf's dtype
@@ -204,12 +193,12 @@ _scratch = threading.local()
 
 @contextlib.contextmanager
 def _scratch_buffers() -> Iterator[list]:
-    """Four work buffers of SUB_CHUNK float64s, reused by this thread from chunk to
+    """Three work buffers of SUB_CHUNK float64s, reused by this thread from chunk to
     chunk (an average of averages nests: each level takes its own set)."""
     import numpy as np
 
     free = _scratch.__dict__.setdefault("free", [])
-    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(4)]
+    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(3)]
     try:
         yield buffers
     finally:
@@ -217,11 +206,9 @@ def _scratch_buffers() -> Iterator[list]:
 
 
 def _typed(buffers: list, acc_dtype, in_dtype) -> tuple:
-    """The scratch buffers as accumulator, product, raw input and widened bf16 arrays."""
-    import numpy as np
-
-    acc, tmp, raw, wide = buffers
-    return acc.view(acc_dtype), tmp.view(acc_dtype), raw.view(in_dtype)[:SUB_CHUNK], wide.view(np.float32)[:SUB_CHUNK]
+    """The scratch buffers as accumulator, product and raw input arrays."""
+    acc, tmp, raw = buffers
+    return acc.view(acc_dtype), tmp.view(acc_dtype), raw.view(in_dtype)[:SUB_CHUNK]
 
 
 def _count_nonfinite_inputs(leaves, start, stop, keypath, names, report) -> None:
