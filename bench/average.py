@@ -6,9 +6,13 @@ against references measured in the same run:
   (b) streaming: a NumPy loop written here — per leaf, 256 KiB chunks pread into
       reused buffers, fp32 accumulator, written to the output as it goes; also
       "streaming+fsync", the same plus the fsync that treecli always does;
-  (c) mergekit's linear merge, when it is installed (it needs torch; see --help).
+  (c) mergekit's linear merge (`mergekit-pytorch`, which takes plain safetensors
+      files), when it is on PATH or given with --mergekit. It needs torch; a venv
+      of its own keeps that out of treecli's:
+        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit
+        python bench/average.py --mergekit /tmp/mk/bin/mergekit-pytorch
 
-    python bench/average.py [--runs 3] [--gib 1] [--skip-tutorial]
+    python bench/average.py [--runs 3] [--gib 1] [--skip-tutorial] [--mergekit PATH]
 
 Wall time is the median of --runs; peak RSS is the child's ru_maxrss, as
 /usr/bin/time -v reports it. Page cache warm for all.
@@ -98,23 +102,24 @@ elif mode in ("streaming", "streaming+fsync"):
             f.flush()
             os.fsync(f.fileno())
 elif mode == "mergekit":
-    import yaml
-    config = {"merge_method": "linear", "models": [{"model": p, "parameters": {"weight": w}}
-                                                   for p, w in zip(inputs, weights)], "dtype": "float32"}
-    open(out + ".yml", "w").write(yaml.safe_dump(config))
-    subprocess_result = __import__("subprocess").run(["mergekit-yaml", out + ".yml", out, "--lazy-unpickle"])
-    assert subprocess_result.returncode == 0
+    import os, subprocess
+    config = {"merge_method": "linear", "dtype": "float32", "out_dtype": os.environ["BENCH_DTYPE"],
+              "models": [{"model": p, "parameters": {"weight": w}} for p, w in zip(inputs, weights)]}
+    open(out + ".yml", "w").write(json.dumps(config))  # JSON is YAML
+    subprocess.run([os.environ["BENCH_MERGEKIT"], out + ".yml", out, "--quiet", "--lazy-unpickle",
+                    "--no-copy-tokenizer", "--no-write-model-card"], check=True)
 elapsed = time.perf_counter() - start
-print(json.dumps({"seconds": elapsed, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(json.dumps({"seconds": elapsed, "rss_mb": rss / 1024}))
 '''
 
 
-def run(mode: str, out: Path, inputs: list[Path]) -> dict:
+def run(mode: str, out: Path, inputs: list[Path], env: dict[str, str]) -> dict:
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.sync()  # else the previous run's dirty pages throttle this run's writes
     result = subprocess.run([sys.executable, "-c", CHILD, mode, str(out), *map(str, inputs)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env={**os.environ, **env})
     if result.returncode:
         sys.exit(f"{mode} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -126,9 +131,10 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--skip-tutorial", action="store_true")
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--mergekit", default=shutil.which("mergekit-pytorch"), help="mergekit-pytorch to run")
     args = parser.parse_args()
     modes = ["streaming", "streaming+fsync", "treecli"] + ([] if args.skip_tutorial else ["tutorial"])
-    if shutil.which("mergekit-yaml"):
+    if args.mergekit:
         modes.append("mergekit")
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
@@ -138,8 +144,9 @@ def main() -> None:
             for p in inputs:  # warm the page cache from another process (ru_maxrss survives exec)
                 subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
             results = {}
+            env = {"BENCH_DTYPE": {"fp32": "float32", "bf16": "bfloat16"}[dtype], "BENCH_MERGEKIT": args.mergekit or ""}
             for mode in modes:
-                runs = [run(mode, tmp / f"out-{mode}.safetensors", inputs)
+                runs = [run(mode, tmp / f"out-{mode}.safetensors", inputs, env)
                         for _ in range(1 if mode in ("tutorial", "mergekit") else args.runs)]
                 results[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             size = inputs[0].stat().st_size / 2**30
@@ -150,7 +157,7 @@ def main() -> None:
                 print(f"{mode:<16} {r['seconds']:>7.2f}s {r['rss_mb']:>8.0f}MB {r['seconds'] / ref:>12.2f}x "
                       f"{r['seconds'] / ref_sync:>9.2f}x")
             if "mergekit" not in results:
-                print("mergekit: not installed here (it needs torch); install it to include it")
+                print("mergekit: not found; give --mergekit PATH/mergekit-pytorch to include it (see --help)")
 
 
 if __name__ == "__main__":
