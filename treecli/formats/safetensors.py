@@ -430,18 +430,19 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
     with open(path, "xb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
+        writeback = _atomic.Writeback(f)  # one per file: it hands on what was written since its last call
         for key, leaf in entries:
-            write_leaf_bytes(f, leaf, key, str(path), options)
+            write_leaf_bytes(f, leaf, key, str(path), options, writeback)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptions) -> None:
+def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptions,
+                     writeback: _atomic.Writeback) -> None:
     """Stream one leaf's bytes (little-endian, C order) to ``f``, chunk by chunk."""
     import numpy as np
 
     written = 0
-    writeback = _atomic.Writeback(f)
     for chunk in _leaf.iter_chunks(leaf):
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
