@@ -88,6 +88,10 @@ def test_two_threads_fill_each_block_once_and_pass_on_an_error():
     with pytest.raises(ValueError, match="block 3 is bad"):
         _leaf.on_two_threads(failing, 5, 1005, out, 64)
 
+    # called from the helper thread itself (nested computed leaves), it runs inline instead of deadlocking
+    nested = _leaf._pool("half").submit(_leaf.on_two_threads, fill, 5, 1005, out, 64)
+    nested.result(timeout=30)
+
 
 def test_fp16_values_near_the_maximum_do_not_overflow():
     arrays = [np.full(1000, 65504, np.float16), np.full(1000, 65504, np.float16), np.full(1000, 65000, np.float16)]

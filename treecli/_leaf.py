@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
@@ -274,7 +275,9 @@ def on_two_threads(fill: Callable[[int, int, Any], None], start: int, stop: int,
     Not two fixed halves: the writer and the kernel's writeback share the two
     cores, so one half often finished 0.5 s (a fifth of the run) before the other.
     """
-    if stop - start < 2 * block:
+    # On the helper itself (a computed leaf read by another's fill), waiting for a
+    # second task of its one-thread pool would wait forever.
+    if stop - start < 2 * block or threading.current_thread().name.startswith("treecli-half"):
         fill(start, stop, out)
         return
     blocks = iter(range(start, stop, block))  # next() on it is atomic under the GIL
