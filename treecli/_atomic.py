@@ -46,13 +46,16 @@ class Writeback:
     """Starts the disk writing a file's data while more is being produced.
 
     Call it after each write; every WRITEBACK_BYTES it hands what was written
-    since to the kernel's writeback (posix_fadvise DONTNEED starts it, and lets
-    the kernel drop those pages once clean: a big output does not evict the inputs).
+    since to the kernel's writeback (posix_fadvise DONTNEED starts it). The same
+    call covers the window before too: written back by then, its pages are clean
+    and DONTNEED drops them, so a big output does not evict the inputs. (Pages
+    still being written when first hinted are never dropped by that first hint.)
     """
 
     def __init__(self, f: BinaryIO):
         self._f = f
-        self._hinted = 0
+        self._previous = 0  # start of the last window hinted
+        self._hinted = 0  # end of it
         self._enabled = hasattr(os, "posix_fadvise")
 
     def __call__(self) -> None:
@@ -62,8 +65,8 @@ class Writeback:
             end = self._f.tell()
             if end - self._hinted >= WRITEBACK_BYTES:
                 self._f.flush()
-                os.posix_fadvise(self._f.fileno(), self._hinted, end - self._hinted, os.POSIX_FADV_DONTNEED)
-                self._hinted = end
+                os.posix_fadvise(self._f.fileno(), self._previous, end - self._previous, os.POSIX_FADV_DONTNEED)
+                self._previous, self._hinted = self._hinted, end
         except (AttributeError, OSError, io.UnsupportedOperation):  # not a plain file: only a hint is lost
             self._enabled = False
 

@@ -171,6 +171,8 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
             for i, (leaf, w) in enumerate(zip(leaves, acc_weights)):
                 leaf.read_into(start + s, start + e, r)
                 # The ufunc widens r to float64 in its own small buffers: one pass, exact products.
+                # (For bf16 that is ml_dtypes' cast: faster than widening with a shift first,
+                # 2.25 s vs 2.75 s median of 5 on 3 x 1 GiB once blocks are shared out.)
                 if i == 0:
                     np.multiply(r, w, out=a)
                 else:
