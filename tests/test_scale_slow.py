@@ -65,6 +65,12 @@ print(code, peak_mb, flush=True)
 """
 
 
+@pytest.fixture(autouse=True)
+def _free_the_disk_afterwards(tmp_path):
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)  # tens of GB, which pytest would keep for three runs
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak RSS read from /proc (Linux)")
 def test_average_of_three_8_gib_checkpoints_in_flat_memory_with_progress(tmp_path):
     """Case 30c: 3 x 8 GiB fp32 -> peak RSS of a few chunks, a progress bar on a terminal's
