@@ -9,13 +9,13 @@ against references measured in the same run:
   (c) mergekit's linear merge (`mergekit-pytorch`, which takes plain safetensors
       files), when it is on PATH or given with --mergekit. It needs torch; a venv
       of its own keeps that out of treecli's:
-        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit
+        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit   # measured: torch 2.13 CPU, mergekit 0.1.5
         python bench/average.py --mergekit /tmp/mk/bin/mergekit-pytorch
 
     python bench/average.py [--runs 3] [--gib 1] [--skip-tutorial] [--mergekit PATH]
 
-Wall time is the median of --runs; peak RSS is the child's ru_maxrss, as
-/usr/bin/time -v reports it. Page cache warm for all.
+Wall time is the median of --runs; peak RSS is the child's ru_maxrss (for mergekit,
+that of the process it starts), as /usr/bin/time -v reports it. Page cache warm for all.
 Targets (issue 5): wall <= 1.25x (b); peak RSS <= 200 MB and flat when the model doubles.
 """
 
