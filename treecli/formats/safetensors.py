@@ -155,11 +155,7 @@ def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tup
         tensors[name] = (dtype, shape, data_start + begin)
         spans.append((begin, end, name))
     if len(tensors) != len(spans):
-        seen: set = set()
-        for _, _, name in spans:
-            if name in seen:
-                raise FormatError(f"duplicate key {name!r} in the header", file=file)
-            seen.add(name)
+        _refuse_duplicates((name for _, _, name in spans), file)
     spans.sort()
     _check_tiling(spans, size, data_start, file)
     return tensors, metadata, data_start
@@ -216,11 +212,7 @@ def _as_dict(value: Any, file: str) -> Any:
     if type(value) is _Pairs:
         out = dict(value)
         if len(out) != len(value):
-            seen: set = set()
-            for key, _ in value:
-                if key in seen:
-                    raise FormatError(f"duplicate key {key!r} in the header", file=file)
-                seen.add(key)
+            _refuse_duplicates((key for key, _ in value), file)
         for key, child in out.items():
             if type(child) is _Pairs or type(child) is list:
                 out[key] = _as_dict(child, file)
@@ -228,6 +220,15 @@ def _as_dict(value: Any, file: str) -> Any:
     if type(value) is list:
         return [_as_dict(v, file) if type(v) is _Pairs or type(v) is list else v for v in value]
     return value
+
+
+def _refuse_duplicates(keys: Any, file: str) -> None:
+    """Raise for the first key that comes twice (called once a count showed there is one)."""
+    seen: set = set()
+    for key in keys:
+        if key in seen:
+            raise FormatError(f"duplicate key {key!r} in the header", file=file)
+        seen.add(key)
 
 
 def _parse_json(text: str, file: str) -> Any:
