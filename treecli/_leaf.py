@@ -216,6 +216,11 @@ def _pool(name: str) -> ThreadPoolExecutor:
     return _pools[name]
 
 
+def _on_pool_thread(name: str) -> bool:
+    """Whether the calling thread is the worker of ``_pool(name)``."""
+    return threading.current_thread().name.startswith(f"treecli-{name}_")
+
+
 _spare_buffers: list[Any] = []  # CHUNK_BYTES byte buffers, reused from leaf to leaf
 INLINE_BYTES = 1 << 20  # a leaf this small is read without the prefetch thread
 
@@ -277,7 +282,7 @@ def on_two_threads(fill: Callable[[int, int, Any], None], start: int, stop: int,
     """
     # On the helper itself (a computed leaf read by another's fill), waiting for a
     # second task of its one-thread pool would wait forever.
-    if stop - start < 2 * block or threading.current_thread().name.startswith("treecli-half"):
+    if stop - start < 2 * block or _on_pool_thread("half"):
         fill(start, stop, out)
         return
     blocks = iter(range(start, stop, block))  # next() on it is atomic under the GIL
