@@ -2,22 +2,35 @@
 rename into place, fsync of the directory.
 
 A crash at any moment leaves the old output (or none), never a torn one.
-Temporary names start with ``.treecli-tmp-<pid>-`` so that readers ignore them
-and a later run removes those whose process is gone.
+Temporary names start with ``.treecli-tmp-`` so that readers ignore them. A
+writer holds an ``flock`` on its temporary for as long as it writes; a later
+run removes only temporaries nobody holds (a PID would not do: a writer in
+another PID namespace, a container sharing the directory, has a PID that means
+nothing here). What an output may replace is decided in ``treecli._outputs``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
+import secrets
 import shutil
+import stat
+import time
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from treecli._errors import UsageError
+from treecli._errors import NotDurableError
 
 TMP_PREFIX = ".treecli-tmp-"
+# Room left in a file name for what another library appends to our temporary
+# (Orbax writes "<name>.orbax-checkpoint-tmp-<timestamp>" beside what it is given).
+_SUFFIX_ROOM = 48
+# A temporary younger than this is spared even when unlocked: its writer may be
+# between creating it and locking it.
+_GRACE_SECONDS = 10
 
 
 def _umask() -> int:
@@ -71,124 +84,145 @@ class Writeback:
             self._enabled = False
 
 
-def _temp_name(target: Path) -> Path:
-    return target.parent / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}-{target.name}"
+def temp_name(target: Path) -> Path:
+    """A fresh temporary name beside ``target`` that fits the file-name limit,
+    however long the target's own name is."""
+    head = f"{TMP_PREFIX}{secrets.token_hex(4)}-"
+    try:
+        limit = os.pathconf(target.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    room = max(limit - len(head.encode()) - _SUFFIX_ROOM, 0)
+    tail = target.name.encode()[:room].decode("utf-8", "ignore")
+    return target.parent / f"{head}{tail}"
+
+
+def _lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def remove_stale_temporaries(directory: Path) -> None:
-    """Remove temporaries left in ``directory`` by treecli runs that were killed."""
+    """Remove temporaries in ``directory`` that no writer holds (left by killed runs)."""
     try:
-        entries = list(directory.iterdir())
+        entries = list(os.scandir(directory))
     except OSError:
         return
     for entry in entries:
         if not entry.name.startswith(TMP_PREFIX):
             continue
-        pid_text = entry.name[len(TMP_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
-            continue
-        with contextlib.suppress(OSError):
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_file(target: Path, mode: int | None = None) -> Iterator[Path]:
-    """Yield a temporary path next to ``target``; on success it replaces ``target``.
-
-    The caller writes the whole file to the yielded path (and may fsync it; this
-    does too). On any exception, KeyboardInterrupt included, the temporary is
-    removed and ``target`` is untouched.
-    """
-    target = Path(target)
-    remove_stale_temporaries(target.parent)
-    tmp = _temp_name(target)
-    try:
-        yield tmp
-        os.chmod(tmp, (0o666 & ~_umask()) if mode is None else mode)
-        fsync_path(tmp)
-        os.replace(tmp, target)
-        fsync_path(target.parent)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-@contextlib.contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory next to ``target``; on success it becomes ``target``.
-
-    Replacing an existing directory moves the old one aside first and removes
-    it only after the new one is in place.
-    """
-    target = Path(target)
-    remove_stale_temporaries(target.parent)
-    tmp = _temp_name(target)
-    tmp.mkdir(mode=0o777)
-    try:
-        yield tmp
-        for entry in tmp.iterdir():
-            if entry.is_file():
-                fsync_path(entry)
-        fsync_path(tmp)
-        if target.exists() or target.is_symlink():
-            aside = _temp_name(target)
-            os.rename(target, aside)
-            os.rename(tmp, target)
-            fsync_path(target.parent)
-            if aside.is_dir() and not aside.is_symlink():
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                aside.unlink()
-        else:
-            os.rename(tmp, target)
-            fsync_path(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def check_output(target: Path, inputs: list[Path], *, force: bool, in_place: bool = False) -> None:
-    """Refuse outputs that would overwrite an input or an existing file unasked.
-
-    "The input" is compared by device and inode, so ``./x``, a symlink to ``x``
-    and a hard link to ``x`` are all the input.
-
-    Raises:
-        UsageError: output is an input (without ``in_place``), exists (without
-            ``force``), or its directory does not exist.
-    """
-    target = Path(target)
-    if not target.parent.is_dir():
-        raise UsageError(f"output directory {str(target.parent)!r} does not exist", file=str(target))
-    try:
-        out_stat = os.stat(target)
-    except FileNotFoundError:
-        if target.is_symlink():
-            raise UsageError("output is a dangling symbolic link; remove it first", file=str(target)) from None
-        return
-    for source in inputs:
         try:
-            in_stat = os.stat(source)
+            info = entry.stat(follow_symlinks=False)
+            if time.time() - info.st_mtime < _GRACE_SECONDS:
+                continue
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
-        if (in_stat.st_dev, in_stat.st_ino) == (out_stat.st_dev, out_stat.st_ino):
-            if in_place:
-                return
-            raise UsageError(
-                f"output is the input {str(source)!r}; use --in-place to replace it", file=str(target)
-            )
-    if not force:
-        raise UsageError("output exists; use --force to replace it", file=str(target))
+        try:
+            if _lock(fd):  # nobody writes it: abandoned
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename into place, then make the rename durable. Past the rename the output
+    exists: a failed directory sync says so instead of claiming nothing was written."""
+    os.replace(tmp, target)
+    try:
+        fsync_path(target.parent)
+    except OSError as e:
+        raise NotDurableError(target, e) from e
+
+
+def _keep_identity(tmp: Path, like: os.stat_result | None) -> None:
+    """The new file's mode (and, replacing a file in place, its owner and group)."""
+    if like is None:
+        os.chmod(tmp, 0o666 & ~_umask())
+        return
+    os.chmod(tmp, stat.S_IMODE(like.st_mode))
+    current = os.stat(tmp)
+    if (current.st_uid, current.st_gid) != (like.st_uid, like.st_gid):
+        os.chown(tmp, like.st_uid, like.st_gid)
+        os.chmod(tmp, stat.S_IMODE(like.st_mode))  # chown clears set-id bits
+
+
+@contextlib.contextmanager
+def atomic_file(target: Path, like: os.stat_result | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; on success it replaces ``target``.
+
+    The temporary exists (empty, locked) when yielded: the caller opens it for
+    writing (``"wb"``) and writes the whole file. On any exception,
+    KeyboardInterrupt included, the temporary is removed and ``target`` is
+    untouched. ``like``: a stat result whose mode, owner and group the output
+    takes (``--in-place``); by default the mode follows the umask.
+    """
+    target = Path(target)
+    remove_stale_temporaries(target.parent)
+    tmp = temp_name(target)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+        _keep_identity(tmp, like)
+        os.fsync(fd)
+        _publish(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):  # gone already when the failure came after the rename
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
+    """Yield the path of a new directory to build; on success it becomes ``target``.
+
+    The directory is built inside a locked holder next to ``target``, so that
+    whatever a writer leaves there (Orbax's own temporaries included) goes with
+    the holder on failure. With ``replace``, an existing ``target`` (which the
+    caller has checked may be replaced) is moved aside and removed only after
+    the new one is in place.
+    """
+    target = Path(target)
+    remove_stale_temporaries(target.parent)
+    holder = temp_name(target)
+    holder.mkdir(mode=0o700)
+    fd = os.open(holder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        built = holder / "checkpoint"
+        built.mkdir(mode=0o777 & ~_umask())
+        yield built
+        for entry in built.rglob("*"):
+            if entry.is_file() and not entry.is_symlink():
+                fsync_path(entry)
+        fsync_path(built)
+        if replace and (target.exists() or target.is_symlink()):
+            old = holder / "previous"
+            os.rename(target, old)
+            try:
+                os.rename(built, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+        else:
+            os.rename(built, target)
+        try:
+            fsync_path(target.parent)
+        except OSError as e:
+            raise NotDurableError(target, e) from e
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+        os.close(fd)

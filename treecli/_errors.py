@@ -79,3 +79,12 @@ class StructureError(TreecliError):
 
 class UsageError(TreecliError):
     """A command-line argument or option value that makes no sense."""
+
+
+class NotDurableError(TreecliError):
+    """The output is in place, but syncing its directory (what makes the rename
+    survive a power cut) failed. Not "nothing was written": the CLI exits 3."""
+
+    def __init__(self, target: object, cause: OSError):
+        super().__init__(f"written, but syncing its directory failed ({cause.strerror or cause}): the output is "
+                         "in place; its durability is not confirmed", file=str(target))

@@ -7,8 +7,12 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import os
+import signal
 import sys
+import threading
 
 import typer
 
@@ -58,22 +62,60 @@ app.command()(convert)
 app.command()(get)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; map every error to one line on stderr and an exit code.
+class ExitStatus(enum.IntEnum):
+    """What treecli's exit code says (README, "Exit codes")."""
 
-    Exit codes: 0 ok, 1 differences (diff), 2 error, 130 interrupted.
-    """
+    OK = 0
+    DIFFERENCES = 1  # diff found some
+    ERROR = 2  # nothing was written
+    NOT_DURABLE = 3  # the output is in place, but syncing its directory failed
+    INTERRUPTED = 130  # Ctrl-C; SIGTERM and SIGHUP exit 128 + their number
+
+
+class _Terminated(BaseException):
+    """SIGTERM (a scheduler's preemption) or SIGHUP (the terminal went away), raised in
+    the main thread like KeyboardInterrupt so that every temporary is cleaned up."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; map every error to one line on stderr and an :class:`ExitStatus`."""
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args
     # A command runs once and exits: Python's cyclic collector would only walk the
     # millions of long-lived objects of a big header again and again (half of
     # `show`'s time on a 200k-tensor file). Reference counting frees as usual.
-    with _gc.paused():
-        return _run_app(args, debug)
+    with _gc.paused(), _terminating_signals_raise():
+        try:
+            return _run_app(args, debug)
+        except _Terminated as e:
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"treecli: interrupted by {signal.Signals(e.signum).name}\n")
+            return 128 + e.signum
+
+
+@contextlib.contextmanager
+def _terminating_signals_raise():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def _run_app(args: list[str], debug: bool) -> int:
-    from treecli._errors import TreecliError
+    from treecli._errors import NotDurableError, TreecliError
     from treecli.cli._output import OutputClosed
 
     try:
@@ -95,7 +137,7 @@ def _run_app(args: list[str], debug: bool) -> int:
         if debug:
             raise
         _print_error(e.headline(), e.details)
-        return 2
+        return ExitStatus.NOT_DURABLE if isinstance(e, NotDurableError) else ExitStatus.ERROR
     except typer.TyperException as e:  # Click usage errors: bad option, missing argument
         if debug:
             raise

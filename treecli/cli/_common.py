@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from treecli.cli._output import Output
 from treecli.formats import WriteOptions, open_checkpoint, save
@@ -21,24 +21,30 @@ def open_input(out: Output, path: Path, format: str | None = None, step: int | N
 def write_output(
     out: Output,
     tree: Any,
-    target: Path,
+    target: Path | None,
     *,
     source: Checkpoint,
-    inputs: list[Path],
+    inputs: Sequence[Checkpoint],
     format: str | None,
-    force: bool,
+    force: bool = False,
     in_place: bool = False,
     max_shard_size: str | None = None,
     drop_unsupported: bool = False,
     metadata: dict[str, Any] | None = None,
-    mode: int | None = None,
-) -> None:
-    """Write a tree the way every command does: atomically, streaming, with a progress bar."""
+    verify: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a tree the way every command does: atomically, streaming, with a progress bar.
+
+    ``in_place`` rewrites ``source`` where it lies (``target`` is then None).
+    Returns the path written.
+    """
     from treecli import _leaf, _tree
+    from treecli.formats import save_in_place
     from treecli.formats.safetensors import parse_size
 
     total = sum(_leaf.as_leaf(leaf).nbytes for _, leaf in _tree.flatten(tree) if _leaf.is_array(leaf))
-    with out.progress(f"writing {target.name}", total) as advance:
+    name = Path(source.file).name if in_place else target.name
+    with out.progress(f"writing {name}", total) as advance:
         options = WriteOptions(
             metadata=dict(source.metadata if metadata is None else metadata),
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
@@ -47,6 +53,10 @@ def write_output(
             progress=advance,
             warn=out.warn,
         )
-        save(tree, target, format=format, input_format=source.format, options=options,
-             inputs=inputs, force=force, in_place=in_place, mode=mode)
+        if in_place:
+            target = save_in_place(tree, source, format=format, options=options)
+        else:
+            save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
+                 force=force, verify=verify)
     out.note(f"wrote {target}")
+    return target

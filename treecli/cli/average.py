@@ -59,7 +59,7 @@ def average(
         names = [str(p) for p in checkpoints]
         tree, report = average_trees([c.tree for c in opened], parse_weights(weights, len(opened)), names=names,
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)
-        write_output(out, tree, output, source=opened[0], inputs=list(checkpoints), format=format, force=force,
+        write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
         for line in report.warnings():
             out.warn(line)

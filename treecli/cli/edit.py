@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -34,8 +33,8 @@ def edit(
                                                 "leaf's shape.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change (key path, shape and dtype "
                                           "before -> after); read no data, write nothing.")] = False,
-    in_place: Annotated[bool, typer.Option("--in-place", help="Replace the input atomically (a new file "
-                                           "renamed over it when complete).")] = False,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Rewrite the input where it lies: only its "
+                                           "weight files change, each atomically, keeping mode and owner.")] = False,
     format: opt.OutputFormatOpt = None,
     input_format: opt.InputFormatOpt = None,
     step: opt.StepOpt = None,
@@ -79,9 +78,7 @@ def edit(
             else:
                 out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))
             return
-        target = checkpoint if in_place else output
-        write_output(out, tree, target, source=ckpt, inputs=[checkpoint], format=format, force=force,
-                     in_place=in_place, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported,
-                     mode=os.stat(checkpoint).st_mode & 0o7777 if in_place else None)
+        write_output(out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
+                     in_place=in_place, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
         for line in report.warnings:
             out.warn(line)

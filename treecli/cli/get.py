@@ -53,7 +53,7 @@ def get(
             return
         leaf = _leaf.as_leaf(node)
         if output is not None:
-            _write_npy(leaf, output, force, keypath)
+            _write_npy(leaf, output, force, keypath, ckpt)
             out.note(f"wrote {output}")
             return
         data = leaf.read()
@@ -68,19 +68,20 @@ def get(
             out.print(np.array2string(data.astype(np.float32) if data.dtype.kind == "V" else data))
 
 
-def _write_npy(leaf, path: Path, force: bool, keypath: str) -> None:
+def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
     """A .npy file, streamed chunk by chunk through the atomic writer."""
     import numpy as np
 
     from treecli import _atomic, _leaf
     from treecli._errors import UsageError
+    from treecli.formats import _outputs
 
     if leaf.dtype.kind == "V" or leaf.dtype.name.startswith(("bfloat", "float8", "float4", "float6")):
         raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
                          "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",
                          file=str(path), keypath=keypath)
-    _atomic.check_output(path, [], force=force)
-    with _atomic.atomic_file(path) as tmp, open(tmp, "xb") as f:
+    _outputs.check_target(path, _outputs.sources_of([source]), force=force)
+    with _atomic.atomic_file(path) as tmp, open(tmp, "wb") as f:
         np.lib.format.write_array_header_2_0(
             f, {"descr": np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False, "shape": leaf.shape})
         for chunk in _leaf.iter_chunks(leaf):

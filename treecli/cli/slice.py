@@ -71,5 +71,5 @@ def slice_(
                         for k, b, a, d, r in report.changed]
                 out.lines(_render.table(["key path", "before", "", "after", "dtype", "rule"], rows))
             return
-        write_output(out, tree, output, source=ckpt, inputs=[checkpoint], format=format, force=force,
+        write_output(out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)

@@ -7,14 +7,14 @@ module with a ``FORMAT`` object (see ``_base.py``) and add its name here.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli.formats import _foreign
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Origin, WriteOptions
 
 # Order matters only for sniffing: the first format whose sniff accepts wins.
 FORMATS = ("safetensors", "npz", "msgpack", "eqx", "orbax")
@@ -66,7 +66,7 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     if format and not path.exists():
         raise UsageError("no such file or directory", file=str(path))
     try:
-        return fmt.open(path, **options)
+        checkpoint = fmt.open(path, **options)
     except TreecliError as e:
         raise e.with_file(str(path))
     except Exception as e:
@@ -74,6 +74,9 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
         # NotImplementedError, struct.error, ...) is one clean line; --debug shows the chain.
         raise FormatError(f"cannot read it as {fmt.name}: {type(e).__name__}: {str(e)[:200]}",
                           file=str(path)) from e
+    if checkpoint.origin is None and path.is_file():  # the single-file formats
+        checkpoint.origin = Origin("file", path, [path])
+    return checkpoint
 
 
 def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Any, bool]:
@@ -102,58 +105,68 @@ def save(
     format: str | None = None,
     input_format: str | None = None,
     options: WriteOptions | None = None,
-    inputs: list[Path] = (),
+    inputs: Sequence[Checkpoint | Path] = (),
     force: bool = False,
-    in_place: bool = False,
-    mode: int | None = None,
+    verify: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``tree`` to ``target`` atomically, streaming leaf by leaf.
+
+    What may be replaced follows ``_outputs``: never an input (every file of
+    ``inputs``), never a special file, an existing output only with ``force``,
+    an existing directory only when nothing in it would be lost. ``verify`` is
+    called with the finished temporary before it is published.
 
     Returns:
         The path written.
 
     Raises:
-        UsageError: the output exists (without ``force``), is an input
-            (without ``in_place``), or its directory is missing.
-
-    ``mode`` sets the output file's permissions (``--in-place`` keeps the
-    input's); by default they follow the umask.
+        UsageError: the output may not be written or replaced.
         TreecliError: the tree cannot be stored in the format.
+        NotDurableError: the output is in place but its directory sync failed.
     """
-    from treecli import _atomic
+    from treecli.formats import _outputs
 
     target = Path(target)
     options = options or WriteOptions()
     fmt, is_dir = output_format(target, format, input_format)
     if not hasattr(fmt, "write"):
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))
-    _atomic.check_output(target, list(inputs), force=force, in_place=in_place)
-    if target.is_dir() and not _is_replaceable_directory(target):
-        raise UsageError("output is a directory that is not a checkpoint; refusing to replace it", file=str(target))
-    tmp_prefix = str(target.parent / _atomic.TMP_PREFIX)
-    try:
-        if is_dir:
-            with _atomic.atomic_directory(target) as tmp:
-                fmt.write(tree, tmp, options)
-                for companion in options.companions:
-                    if not (tmp / companion.name).exists():
-                        shutil.copy2(companion, tmp / companion.name)
-        else:
-            if target.is_dir():
-                raise UsageError("output is a directory; name a file or use --format", file=str(target))
-            with _atomic.atomic_file(target, mode=mode) as tmp:
-                fmt.write(tree, tmp, options)
-    except TreecliError as e:
-        raise e.with_file(str(target), replace=tmp_prefix)
-    except OSError as e:
-        raise TreecliError(f"cannot write: {e.strerror or e}", file=str(target)) from e
+    with _writing(target):
+        _outputs.write(fmt, tree, target, is_dir, options, _outputs.sources_of(inputs), force, verify)
     return target
 
 
-def _is_replaceable_directory(path: Path) -> bool:
-    """A directory output may replace an existing directory only if that is a checkpoint."""
+def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,
+                  options: WriteOptions | None = None) -> Path:
+    """Rewrite an opened checkpoint where it lies: only its weight files change.
+
+    Returns:
+        The file or directory rewritten.
+
+    Raises:
+        UsageError: a CheckpointManager step, a format change, or a directory
+            holding files the format's writer would not write back.
+    """
+    from treecli.formats import _outputs
+
+    if format and format != checkpoint.format:
+        raise UsageError(f"--in-place keeps the input's format ({checkpoint.format}); write {format} with -o",
+                         file=checkpoint.file)
+    fmt = get(checkpoint.format)
+    if not hasattr(fmt, "write"):
+        raise UsageError(f"treecli cannot write {fmt.name} files", file=checkpoint.file)
+    with _writing(Path(checkpoint.file)):
+        return _outputs.write_in_place(fmt, tree, checkpoint, options or WriteOptions())
+
+
+@contextlib.contextmanager
+def _writing(target: Path) -> Iterator[None]:
+    """Errors of a write name the output the user gave, never a temporary name."""
+    from treecli import _atomic
+
     try:
-        detect(path)
-        return True
-    except TreecliError:
-        return not any(path.iterdir())
+        yield
+    except TreecliError as e:
+        raise e.with_file(str(target), replace=str(target.parent / _atomic.TMP_PREFIX))
+    except OSError as e:
+        raise TreecliError(f"cannot write: {e.strerror or e}", file=str(target)) from e

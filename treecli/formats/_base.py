@@ -20,6 +20,22 @@ from typing import Any, Callable
 
 
 @dataclass
+class Origin:
+    """Where a checkpoint's weights live: what ``--in-place`` rewrites, and what
+    no output may land on.
+
+    ``layout`` is ``"file"`` (one file: ``path``), ``"sharded"`` (an index at
+    ``path`` naming shard files), ``"directory"`` (a checkpoint directory
+    rewritten whole: Orbax) or ``"step"`` (a CheckpointManager step, which is
+    never rewritten in place). ``files`` are every file the weights are read from.
+    """
+
+    layout: str
+    path: Path
+    files: list[Path] = field(default_factory=list)
+
+
+@dataclass
 class Checkpoint:
     """An opened checkpoint: a tree of lazy leaves plus what surrounds it."""
 
@@ -34,6 +50,8 @@ class Checkpoint:
     warnings: list[str] = field(default_factory=list)
     #: Extra facts for ``show`` (the steps of a CheckpointManager root, ...).
     info: dict[str, Any] = field(default_factory=dict)
+    #: Where its weights live on disk (None for a tree in memory).
+    origin: Origin | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def close(self) -> None:

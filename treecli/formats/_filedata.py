@@ -8,52 +8,100 @@ ranges the index touches (coalesced where the waste is small).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from treecli import _dtypes, _index
 from treecli._errors import FormatError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
 
 
+def identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """What says a file is still the one whose header was validated: device, inode, size, mtime."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
 class FileReader:
-    """An input file opened on first use and read with positionless ``preadv``."""
+    """An input file read with positionless ``preadv``, through a bounded pool of descriptors.
 
-    def __init__(self, path: str):
+    Data is read only from the file whose header was validated: every time a
+    descriptor is opened its identity (device, inode, size, mtime) is checked
+    against the one recorded then, so a shard replaced or rewritten while a
+    command runs is an error, never names from one file and bytes from another.
+    """
+
+    def __init__(self, path: str, file_identity: tuple[int, int, int, int] | None = None):
         self.path = str(path)
-        self._fd: int | None = None
-        self._lock = threading.Lock()
+        self.identity = file_identity if file_identity is not None else identity(os.stat(self.path))
         self.bytes_read = 0
+        self.users = 0  # reads under way (guarded by the pool's lock): the pool never closes it then
 
-    def _ensure_open(self) -> int:
-        if self._fd is None:
-            with self._lock:
-                if self._fd is None:
-                    self._fd = os.open(self.path, os.O_RDONLY)
-        return self._fd
+    def open_checked(self) -> int:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        if identity(os.fstat(fd)) != self.identity:
+            os.close(fd)
+            raise FormatError("the file changed since it was opened (replaced or rewritten); run the command "
+                              "again", file=self.path)
+        return fd
 
     def read_into(self, buffer, offset: int) -> None:
         """Fill a C-contiguous NumPy array with the bytes at ``offset``."""
         view = memoryview(buffer.reshape(-1).view("uint8"))
-        fd = self._ensure_open()
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise FormatError(
-                    f"file ended at byte {offset + done} while reading {len(view)} bytes at {offset}"
-                    " (was it truncated while open?)",
-                    file=self.path,
-                )
-            done += n
+        with _POOL.descriptor(self) as fd:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise FormatError(
+                        f"file ended at byte {offset + done} while reading {len(view)} bytes at {offset}"
+                        " (was it truncated while open?)",
+                        file=self.path,
+                    )
+                done += n
         self.bytes_read += done
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        _POOL.close(self)
+
+
+class _DescriptorPool:
+    """At most ``limit`` input files open at once, least recently used closed first:
+    a checkpoint of 600 shards works under ``ulimit -n 256``."""
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._open: collections.OrderedDict[FileReader, int] = collections.OrderedDict()
+
+    @contextlib.contextmanager
+    def descriptor(self, reader: FileReader) -> Iterator[int]:
+        with self._lock:
+            fd = self._open.pop(reader, None)
+            if fd is None:
+                fd = reader.open_checked()
+            self._open[reader] = fd
+            reader.users += 1
+            idle = [r for r in self._open if r.users == 0]
+            for oldest in idle[: max(0, len(self._open) - self._limit)]:
+                os.close(self._open.pop(oldest))
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                reader.users -= 1
+
+    def close(self, reader: FileReader) -> None:
+        with self._lock:
+            fd = self._open.pop(reader, None)
+            if fd is not None:
+                os.close(fd)
+
+
+_POOL = _DescriptorPool(64)
 
 
 class FileArrayLeaf(ArrayLeaf):

@@ -134,7 +134,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     import msgpack
 
     packer = msgpack.Packer(use_bin_type=True)
-    with open(target, "xb") as f:
+    with open(target, "wb") as f:
 
         def emit(node: Any, keypath: tuple) -> None:
             if _tree.is_node(node):

@@ -198,7 +198,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         if options.warn:
             options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")
     real_dtypes = {}
-    with open(target, "xb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with open(target, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         writeback = _atomic.Writeback(f)
         for key, leaf in entries:
             dtype = leaf.dtype

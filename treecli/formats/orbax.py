@@ -5,20 +5,21 @@ Read without Orbax and without matching the saving machine's devices: the
 tree, shapes and value types come from ``_METADATA`` (JSON); dtypes from each
 array's zarr metadata, opened with tensorstore (which orbax-checkpoint brings)
 without reading array data. tensorstore is imported only here, when an Orbax
-checkpoint is opened. Writing uses Orbax's own ``StandardCheckpointer``.
+checkpoint is opened. Writing uses Orbax's own PyTree handler, which stores strings and Python scalars too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from treecli import _leaf, _tree
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli._keypath import format_keypath
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Origin, WriteOptions
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _MEMORY_FACTOR = 4
@@ -51,10 +52,14 @@ class _Format:
             raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
                               "_CHECKPOINT_METADATA (the save did not finish)", file=str(path))
         if (path / "_METADATA").is_file():
-            checkpoint = Checkpoint(tree=None, format="orbax", file=str(path))
+            checkpoint = Checkpoint(tree=None, format="orbax", file=str(path), origin=Origin("directory", path, [path]))
             checkpoint.tree = _open_pytree(path, checkpoint)
             return checkpoint
         return _open_step(path)
+
+    def owns(self, name: str) -> bool:
+        """Whether a directory entry is one Orbax's writer writes."""
+        return _OWNED.fullmatch(name) is not None
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         _write(tree, target, options)
@@ -103,6 +108,7 @@ def _open_manager_root(root: Path, steps: list[int], pending: list[str], step: i
         raise UsageError(f"no committed step {chosen}; steps: {', '.join(map(str, steps))}", file=str(root))
     checkpoint = _open_step(root / str(chosen))
     checkpoint.file = str(root)
+    checkpoint.origin = Origin("step", root, [root])
     checkpoint.info = {"steps": steps, "step": chosen, **checkpoint.info}
     if pending:
         checkpoint.warnings.append(f"ignoring unfinished step directories: {', '.join(pending)}")
@@ -117,7 +123,7 @@ def _open_step(step_dir: Path) -> Checkpoint:
     if isinstance(handlers, dict) and isinstance(handlers.get("item_handlers"), str):
         # A single-item checkpoint (StandardCheckpointer): its tree lives in _METADATA.
         raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=str(step_dir))
-    checkpoint = Checkpoint(tree={}, format="orbax", file=str(step_dir))
+    checkpoint = Checkpoint(tree={}, format="orbax", file=str(step_dir), origin=Origin("step", step_dir, [step_dir]))
     for item in sorted(p for p in step_dir.iterdir() if p.is_dir()):
         if (item / "_METADATA").is_file():
             checkpoint.tree[item.name] = _open_pytree(item, checkpoint)
@@ -255,10 +261,19 @@ class OrbaxLeaf(_leaf.WholeLeaf):
 # --- writing --------------------------------------------------------------------------------
 
 
+# What Orbax's PyTree handler stores besides arrays, as Orbax stores them.
+_PLAIN_VALUES = (str, int, float, bool, type(None))
+# Every entry Orbax's writers put in a checkpoint directory: `-o DIR --force` and
+# --in-place may replace a directory only when it holds nothing else.
+_OWNED = re.compile(r"_CHECKPOINT_METADATA|_METADATA|_ROOT_METADATA|_strings\.json|_sharding|commit_success\.txt"
+                    r"|manifest\.ocdbt|d|ocdbt\.process_\d+|array_metadatas|descriptor")
+
+
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
-    """Save with Orbax's StandardCheckpointer, which needs the whole tree in memory."""
+    """Save with Orbax's PyTree handler, which needs the whole tree in memory."""
     import numpy as np
 
+    tree = _storable(tree, str(target), options)
     needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
     available = _available_memory()
     # Measured: writing 0.5 GiB peaked at 1.7 GB (our arrays, Orbax's and tensorstore's buffers, jax).
@@ -266,16 +281,6 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         raise TreecliError(f"Orbax's writer needs the whole output in memory, about {_MEMORY_FACTOR}x its "
                            f"{needed / 2**30:.1f} GiB, but {available / 2**30:.1f} GiB is available; "
                            "write safetensors instead (-o out.safetensors)")
-    items = _tree.flatten(tree)
-    zero_size = [kp for kp, x in items if _leaf.is_array(x) and _leaf.as_leaf(x).size == 0]
-    if zero_size:
-        listed = [f"{format_keypath(kp)} ({_tree.describe_leaf(_tree.get(tree, kp))})" for kp in zero_size]
-        if not options.drop_unsupported:
-            raise TreecliError(f"Orbax cannot hold {len(listed)} zero-size arrays (use --drop-unsupported to drop "
-                               "them)", details=listed)
-        if options.warn:
-            options.warn(f"dropped {len(listed)} zero-size arrays Orbax cannot hold: {', '.join(listed[:20])}")
-        tree = _tree.unflatten([(kp, x) for kp, x in items if kp not in zero_size], template=tree)
 
     def materialize(keypath: tuple, x: Any) -> Any:
         if _leaf.is_array(x):
@@ -289,12 +294,46 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     import orbax.checkpoint as ocp
 
     data = _tree.map_leaves(materialize, tree)
-    checkpointer = ocp.StandardCheckpointer()
-    # target is the empty temporary directory the atomic writer made; Orbax writes
-    # into it (force) and treecli renames it into place when Orbax has finished.
-    checkpointer.save(os.path.abspath(target), data, force=True)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    # target is the empty directory the atomic writer made inside its locked holder;
+    # Orbax replaces it (force), keeping its own temporaries in the holder too.
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(target), data, force=True)
+
+
+def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
+    """The tree Orbax will be given: every leaf one it can store under a name of its own.
+
+    Orbax names each array by its key path joined with ``.``: two key paths that
+    join alike (``["a.b"]`` and ``a.b``) would share one parameter, so that is an
+    error. Zero-size arrays and values Orbax cannot store are refused, or dropped
+    with ``drop_unsupported``.
+    """
+    items = _tree.flatten(tree)
+    seen: dict[str, tuple] = {}
+    for keypath, _ in items:
+        name = ".".join(str(k) for k in keypath)
+        if name in seen:
+            raise TreecliError(f"key paths {format_keypath(seen[name])} and {format_keypath(keypath)} would both "
+                               f"be stored as the Orbax parameter {name!r}; rename one first (treecli edit "
+                               "--rename)", file=file)
+        seen[name] = keypath
+    unsupported = []
+    for keypath, x in items:
+        if _leaf.is_array(x):
+            if _leaf.as_leaf(x).size == 0:
+                unsupported.append((keypath, f"{_tree.describe_leaf(x)}: zero-size"))
+        elif not isinstance(x, (*_PLAIN_VALUES, dict, list, tuple)):  # empty containers are leaves here
+            unsupported.append((keypath, type(x).__name__))
+    if not unsupported:
+        return tree
+    listed = [f"{format_keypath(kp)} ({what})" for kp, what in unsupported]
+    if not options.drop_unsupported:
+        raise TreecliError(f"Orbax cannot hold {len(listed)} {'leaf' if len(listed) == 1 else 'leaves'} (use "
+                           "--drop-unsupported to drop them)", file=file, details=listed)
+    if options.warn:
+        options.warn(f"dropped {len(listed)} leaves Orbax cannot hold: {', '.join(listed[:20])}")
+    dropped = {kp for kp, _ in unsupported}
+    return _tree.unflatten([(kp, x) for kp, x in items if kp not in dropped], template=tree)
 
 
 def _available_memory() -> int | None:

@@ -9,6 +9,7 @@ integers, so no overflow). Leaves are lazy; writing streams leaf by leaf.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _atomic, _dtypes, _gc, _leaf
-from treecli._errors import FormatError, TreecliError
+from treecli._errors import FormatError, NotDurableError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader
+from treecli.formats._base import Checkpoint, Origin, WriteOptions
+from treecli.formats._filedata import FileArrayLeaf, FileReader, identity
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -37,6 +38,7 @@ _CODES = {
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
 _ITEMSIZE = {name: _dtypes.itemsize(name) for name in _CODES.values()}
 _PACKED_CODES = {"F4", "F6_E2M3", "F6_E3M2"}  # several elements per byte
+_OWNED = re.compile(r"model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors|model\.safetensors\.index\.json")
 
 
 class _Format:
@@ -72,12 +74,19 @@ class _Format:
             return _open_index(path)
         return _open_file(path)
 
+    def owns(self, name: str) -> bool:
+        """Whether a directory entry is one treecli's writer writes (``-o DIR --force`` may replace it)."""
+        return _OWNED.fullmatch(name) is not None
+
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         entries = _entries_for_writing(tree, str(target), options)
         if target.is_dir():
             _write_directory(entries, target, options)
         else:
             _write_file(target, entries, options.metadata, options)
+
+    def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
+        _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
 
 
 FORMAT = _Format()
@@ -87,20 +96,22 @@ FORMAT = _Format()
 # reading
 
 
-def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int]:
+def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int, tuple]:
     """Validate a safetensors file's header.
 
     Returns:
-        ``(tensors, metadata, data_start)``: ``name -> (dtype name, shape,
-        absolute byte offset)`` in header order; the ``__metadata__`` strings;
-        the byte where the data region starts.
+        ``(tensors, metadata, data_start, identity)``: ``name -> (dtype name,
+        shape, absolute byte offset)`` in header order; the ``__metadata__``
+        strings; the byte where the data region starts; the identity of the
+        file the header was read from (data must come from that same file).
 
     Raises:
         FormatError: naming the file and, where there is one, the tensor.
     """
     file = str(path)
-    size = os.stat(path).st_size
     with open(path, "rb") as f:
+        info = os.fstat(f.fileno())
+        size = info.st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise FormatError(f"file is {size} bytes, too short for a safetensors header (8-byte length + JSON)", file=file)
@@ -127,7 +138,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
         del text
         if type(pairs) is not _Pairs:
             raise FormatError(f"header is a JSON {type(pairs).__name__}, not an object", file=file)
-        return _check_header(pairs, size, 8 + header_len, file)
+        return (*_check_header(pairs, size, 8 + header_len, file), identity(info))
 
 
 def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tuple[dict, dict[str, str], int]:
@@ -285,11 +296,12 @@ def _check_entry_fields(name: str, info: Any, file: str) -> tuple[str, tuple[int
 
 
 def _open_file(path: Path) -> Checkpoint:
-    tensors, metadata, _ = read_header(path)
-    reader = FileReader(str(path))
+    tensors, metadata, _, file_identity = read_header(path)
+    reader = FileReader(str(path), file_identity)
     items = [(name, FileArrayLeaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
-    checkpoint = Checkpoint(tree=tree, format="safetensors", file=str(path), metadata=dict(metadata))
+    checkpoint = Checkpoint(tree=tree, format="safetensors", file=str(path), metadata=dict(metadata),
+                            origin=Origin("file", path, [path]))
     checkpoint.warnings.extend([warning] if warning else [])
     checkpoint._closers.append(reader.close)
     return checkpoint
@@ -341,16 +353,17 @@ def _open_index(index_path: Path) -> Checkpoint:
     for shard in shards:
         if not (directory / shard).is_file():
             raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
-    checkpoint = Checkpoint(tree=None, format="safetensors", file=file)
+    checkpoint = Checkpoint(tree=None, format="safetensors", file=file,
+                            origin=Origin("sharded", index_path, [index_path] + [directory / s for s in shards]))
     items: list[tuple[str, Any]] = []
     owner: dict[str, str] = {}
     for shard in shards:
         shard_path = directory / shard
         try:
-            tensors, metadata, _ = read_header(shard_path)
+            tensors, metadata, _, file_identity = read_header(shard_path)
         except TreecliError as e:
             raise e.with_file(str(shard_path))
-        reader = FileReader(str(shard_path))
+        reader = FileReader(str(shard_path), file_identity)
         checkpoint._closers.append(reader.close)
         for key, value in metadata.items():
             checkpoint.metadata.setdefault(key, value)
@@ -428,7 +441,7 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
         offset += leaf.nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # align the data region, as the reference does
-    with open(path, "xb") as f:
+    with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         writeback = _atomic.Writeback(f)  # one per file: it hands on what was written since its last call
@@ -460,8 +473,8 @@ def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptio
         raise TreecliError(f"internal error: wrote {written} bytes, expected {leaf.nbytes}", file=file, keypath=key)
 
 
-def _write_directory(entries: list[tuple[str, Any]], directory: Path, options: WriteOptions) -> None:
-    limit = options.max_shard_size
+def _shards(entries: list[tuple[str, Any]], limit: int | None) -> list[list[tuple[str, Any]]]:
+    """Consecutive groups of entries of at most ``limit`` bytes each (a bigger leaf alone)."""
     shards: list[list[tuple[str, Any]]] = [[]]
     size = 0
     for key, leaf in entries:
@@ -470,14 +483,34 @@ def _write_directory(entries: list[tuple[str, Any]], directory: Path, options: W
             size = 0
         shards[-1].append((key, leaf))
         size += leaf.nbytes
+    return shards
+
+
+def _shard_names(count: int, taken: set[str]) -> list[str]:
+    """HF's shard names, with a generation mark where a name is taken (in place, the old
+    shards stay until the new index is committed)."""
+    for generation in itertools.count():
+        mark = f"-{generation}" if generation else ""
+        names = [f"model-{i:05d}-of-{count:05d}{mark}.safetensors" for i in range(1, count + 1)]
+        if not taken.intersection(names):
+            return names
+    raise AssertionError("unreachable")
+
+
+def _write_directory(entries: list[tuple[str, Any]], directory: Path, options: WriteOptions) -> None:
+    shards = _shards(entries, options.max_shard_size)
     if len(shards) == 1:
         _write_file(directory / "model.safetensors", shards[0], options.metadata, options)
         return
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    for name, shard in zip(_shard_names(len(shards), set()), shards):
         _write_file(directory / name, shard, options.metadata, options)
         weight_map.update({key: name for key, _ in shard})
+    # The index last: a directory without it is not a complete sharded checkpoint.
+    _write_index(directory / "model.safetensors.index.json", entries, weight_map)
+
+
+def _write_index(path: Path, entries: list[tuple[str, Any]], weight_map: dict[str, str]) -> None:
     index = {
         "metadata": {
             "total_size": sum(leaf.nbytes for _, leaf in entries),
@@ -485,12 +518,48 @@ def _write_directory(entries: list[tuple[str, Any]], directory: Path, options: W
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
-    # The index last: a directory without it is not a complete sharded checkpoint.
-    with open(directory / "model.safetensors.index.json", "x", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, ensure_ascii=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, options: WriteOptions) -> None:
+    """New shards beside the old ones, then the index (the commit), then the old shards go:
+    a crash at any point leaves the old checkpoint or the new one, and nothing else in the
+    directory is touched. Without ``max_shard_size`` shards stay as large as the input's."""
+    directory = origin.path.parent
+    old_shards = [p for p in origin.files if p != origin.path]
+    limit = options.max_shard_size or max((p.stat().st_size for p in old_shards), default=None)
+    shards = _shards(entries, limit)
+    names = _shard_names(len(shards), set(os.listdir(directory)))
+    like = os.stat(old_shards[0]) if old_shards else None
+    written: list[Path] = []
+    try:
+        weight_map = {}
+        for name, shard in zip(names, shards):
+            with _atomic.atomic_file(directory / name, like=like) as tmp:
+                _write_file(tmp, shard, options.metadata, options)
+            written.append(directory / name)
+            weight_map.update({key: name for key, _ in shard})
+        with _atomic.atomic_file(origin.path, like=os.stat(origin.path)) as tmp:
+            _write_index(tmp, entries, weight_map)
+    except NotDurableError:  # the new index is in place: its shards stay, the old ones go
+        _remove_stale_shards(old_shards, names)
+        raise
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    _remove_stale_shards(old_shards, names)
+    _atomic.fsync_path(directory)
+
+
+def _remove_stale_shards(old_shards: list[Path], kept: list[str]) -> None:
+    for path in old_shards:
+        if path.name not in kept:
+            path.unlink(missing_ok=True)
 
 
 def parse_size(text: str) -> int:

@@ -1,0 +1,43 @@
+"""Verification of a written output before it is published: re-read the
+temporary and compare it with the tree that was written, leaf by leaf, under
+the writer's own naming.
+
+Names, not nestings, are compared: an npz key ``a.b`` is one key there and
+nests as ``a`` / ``b`` when re-read from safetensors, yet both are the stored
+name ``a.b``. Flat formats name a leaf by its key path joined with their
+separator; tree formats by the key path itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from treecli import _diff, _tree
+from treecli._errors import TreecliError
+from treecli._keypath import format_keypath
+
+
+def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
+    """``{stored name: leaf}``: what a writer with this separator names each leaf."""
+    if separator is None:
+        return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree)}
+    return {separator.join(str(k) for k in kp): leaf for kp, leaf in _tree.flatten(tree)}
+
+
+def verifier(tree: Any, fmt: Any, dropped_allowed: bool) -> Callable[[Path], None]:
+    """A check of a finished temporary against ``tree``, raising on any difference."""
+
+    def verify(written_path: Path) -> None:
+        from treecli.formats import open_checkpoint
+
+        with open_checkpoint(written_path, fmt.name) as written:
+            result = _diff.diff(stored_names(tree, fmt.separator), stored_names(written.tree, fmt.separator))
+        problems = [f"only in the output: {k}" for k in result.only_in_b]
+        problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]
+        problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in result.changed]
+        if problems:
+            raise TreecliError(f"verification failed: the output differs from the input in {len(problems)} "
+                               "leaves; nothing was replaced", file=str(written_path), details=problems)
+
+    return verify

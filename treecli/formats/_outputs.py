@@ -1,0 +1,159 @@
+"""What an output may replace: the one place every command and the Python API
+go through before anything is written (README, "Outputs and safety").
+
+- Only regular files and checkpoint directories are ever replaced: never a
+  device, FIFO or socket (nor a symlink to one).
+- No output lands on a file an input is read from, compared by device and
+  inode, unless in place; ``force`` does not change that.
+- An existing output is replaced only with ``force``. An existing directory is
+  replaced only when it holds no input and everything in it is something the
+  format's writer writes (or a companion file the new output copies): nothing
+  treecli did not write is ever lost.
+- In place: a file is replaced atomically and keeps its mode, owner and group;
+  a sharded safetensors directory gets new shards beside the old ones, then its
+  index (the commit), then loses the old shards, and nothing else in it changes;
+  an Orbax directory is swapped whole only when it holds nothing but Orbax's
+  files; a CheckpointManager step is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from treecli import _atomic
+from treecli._errors import TreecliError, UsageError
+from treecli.formats._base import Checkpoint, WriteOptions
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
+    """Refuse a target that may not be replaced; return its stat if it exists.
+
+    Raises:
+        UsageError: its directory is missing; it is a dangling symlink, a special
+            file, or one of ``sources`` (the files inputs are read from); it
+            exists and ``force`` is false.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        raise UsageError(f"output directory {str(target.parent)!r} does not exist", file=str(target))
+    try:
+        link = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        raise UsageError("output is a dangling symbolic link; remove it first", file=str(target)) from None
+    for mode in (link.st_mode, info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(mode))
+        if kind:
+            raise UsageError(f"output is {kind}; treecli replaces only regular files and checkpoint directories",
+                             file=str(target))
+    for source in sources:
+        try:
+            if os.path.samestat(os.stat(source), info):
+                raise UsageError(f"output is the input {str(source)!r}; use --in-place to rewrite an input",
+                                 file=str(target))
+        except OSError:
+            continue
+    if not force:
+        raise UsageError("output exists; use --force to replace it", file=str(target))
+    return info
+
+
+def check_replaceable_directory(directory: Path, fmt: Any, companions: Sequence[str], sources: Sequence[Path],
+                                in_place: bool = False) -> None:
+    """A directory may be replaced whole only when nothing in it would be lost.
+
+    Raises:
+        UsageError: it holds an input, or entries that ``fmt``'s writer does not
+            write (listed).
+    """
+    real = os.path.realpath(directory)
+    if not in_place:
+        for source in sources:
+            inside = os.path.realpath(source)
+            if inside == real or inside.startswith(real + os.sep):
+                raise UsageError(f"output directory holds the input {str(source)!r}; refusing to replace it",
+                                 file=str(directory))
+    owns = getattr(fmt, "owns", lambda name: False)
+    foreign = sorted(
+        e.name for e in os.scandir(directory)
+        if not owns(e.name) and not (e.name in companions and e.is_file(follow_symlinks=False))
+    )
+    if foreign:
+        raise UsageError(
+            f"{'input' if in_place else 'output'} directory holds {len(foreign)} "
+            f"{'entry' if len(foreign) == 1 else 'entries'} that {fmt.name} checkpoints do not; replacing it "
+            f"would lose them ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
+            + ("write a new checkpoint with -o" if in_place else "choose a new output directory"),
+            file=str(directory), details=foreign if len(foreign) > 5 else ())
+
+
+def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions, sources: Sequence[Path],
+          force: bool, verify: Callable[[Path], None] | None = None) -> None:
+    """Write a new output (``-o``), replacing an existing one only as the model allows.
+
+    ``verify`` is called with the finished temporary before it is published: a
+    failure leaves the previous output (or none) and no new one.
+    """
+    existing = check_target(target, sources, force=force)
+    if is_dir:
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
+            check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
+        with _atomic.atomic_directory(target, replace=existing is not None) as built:
+            fmt.write(tree, built, options)
+            for companion in options.companions:
+                if not (built / companion.name).exists():
+                    shutil.copy2(companion, built / companion.name)
+            if verify:
+                verify(built)
+        return
+    if existing is not None and stat.S_ISDIR(existing.st_mode):
+        raise UsageError("output is a directory; name a file or use --format", file=str(target))
+    with _atomic.atomic_file(target) as tmp:
+        fmt.write(tree, tmp, options)
+        if verify:
+            verify(tmp)
+
+
+def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:
+    """Rewrite an input where it lies, changing only its weight files. Returns what was rewritten."""
+    origin = checkpoint.origin
+    if origin is None or origin.layout == "step":
+        raise UsageError("--in-place does not rewrite a CheckpointManager step or root (other steps and items "
+                         "share it); write the edited step with -o, e.g. treecli edit ROOT --step N -o OUT",
+                         file=checkpoint.file)
+    if origin.layout == "file":
+        like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
+        if not stat.S_ISREG(like.st_mode):
+            raise UsageError("--in-place rewrites only regular files", file=str(origin.path))
+        with _atomic.atomic_file(origin.path, like=like) as tmp:
+            fmt.write(tree, tmp, options)
+        return origin.path
+    if origin.layout == "sharded":
+        fmt.write_in_place(tree, origin, options)
+        return origin.path.parent
+    check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
+    with _atomic.atomic_directory(origin.path, replace=True) as built:
+        fmt.write(tree, built, options)
+    return origin.path
+
+
+def sources_of(checkpoints: Sequence[Checkpoint | Path]) -> list[Path]:
+    """Every file and directory the given inputs are read from."""
+    out: list[Path] = []
+    for c in checkpoints:
+        if isinstance(c, Checkpoint):
+            out.append(Path(c.file))
+            out.extend(c.origin.files if c.origin else [])
+        else:
+            out.append(Path(c))
+    return out
