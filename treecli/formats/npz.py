@@ -15,6 +15,7 @@ restores them. A ``V`` member from elsewhere is shown as such, with a warning.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zipfile
 import zlib
@@ -26,7 +27,7 @@ from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader
+from treecli.formats._filedata import FileArrayLeaf, FileReader, identity
 
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
@@ -69,10 +70,17 @@ FORMAT = _Format()
 
 def _open(path: Path) -> Checkpoint:
     file = str(path)
-    try:
-        archive = zipfile.ZipFile(path)
-    except _ZIP_ERRORS as e:
-        raise FormatError(f"not a readable zip: {e}", file=file) from None
+    with open(path, "rb") as f:
+        file_identity = identity(os.fstat(f.fileno()))  # members are read from this same file later
+        try:
+            archive = zipfile.ZipFile(f)
+        except _ZIP_ERRORS as e:
+            raise FormatError(f"not a readable zip: {e}", file=file) from None
+        return _open_archive(path, archive, file_identity)
+
+
+def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) -> Checkpoint:
+    file = str(path)
     with archive:
         infos = archive.infolist()
         names = [i.filename for i in infos]
@@ -88,7 +96,7 @@ def _open(path: Path) -> Checkpoint:
             except (*_ZIP_ERRORS, AttributeError):
                 raise FormatError(f"{METADATA_MEMBER} is damaged or not valid JSON", file=file) from None
         checkpoint = Checkpoint(tree=None, format="npz", file=file)
-        reader = FileReader(file)
+        reader = FileReader(file, file_identity)
         checkpoint._closers.append(reader.close)
         items = []
         void = []
@@ -139,7 +147,7 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
     native = dtype.byteorder in ("=", "|", "<")
     if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
         return FileArrayLeaf(reader, _data_offset(path, info) + data_start, tuple(shape), name)
-    return _WholeMemberLeaf(path, info, data_start, tuple(shape), dtype, name, fortran, key)
+    return _WholeMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, fortran, key)
 
 
 def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
@@ -156,9 +164,9 @@ def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
 class _WholeMemberLeaf(_leaf.WholeLeaf):
     """A compressed, Fortran-order or big-endian member: decompressed (and reordered) whole."""
 
-    def __init__(self, path: Path, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype, name: str,
-                 fortran: bool, key: str):
-        self._path, self._info, self._start = path, info, data_start
+    def __init__(self, reader: FileReader, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype,
+                 name: str, fortran: bool, key: str):
+        self._reader, self._info, self._start = reader, info, data_start
         self._stored, self._fortran, self._key = stored_dtype, fortran, key
         self.shape = shape
         self.dtype_name = name
@@ -167,11 +175,12 @@ class _WholeMemberLeaf(_leaf.WholeLeaf):
         import numpy as np
 
         try:
-            with zipfile.ZipFile(self._path) as z, z.open(self._info) as stream:
+            with os.fdopen(self._reader.open_checked(), "rb") as f, zipfile.ZipFile(f) as z, \
+                    z.open(self._info) as stream:
                 stream.read(self._start)
                 raw = stream.read(self._info.file_size - self._start)
         except _ZIP_ERRORS as e:
-            raise FormatError(f"cannot decompress the member: {e}", file=str(self._path), keypath=self._key) from None
+            raise FormatError(f"cannot decompress the member: {e}", file=self._reader.path, keypath=self._key) from None
         array = np.frombuffer(raw, self._stored)
         if self._fortran:
             array = array.reshape(self.shape[::-1]).T
