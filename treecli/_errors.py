@@ -32,11 +32,13 @@ class TreecliError(Exception):
         super().__init__(self.headline())
 
     def headline(self) -> str:
+        from treecli._escape import quote  # a file or key name may come from a hostile file
+
         parts = []
         if self.file is not None:
-            parts.append(self.file)
+            parts.append(quote(self.file))
         if self.keypath is not None:
-            parts.append(self.keypath or "<root>")
+            parts.append(quote(self.keypath) if self.keypath else "<root>")
         parts.append(self.message)
         return ": ".join(parts)
 

@@ -24,6 +24,7 @@ from functools import lru_cache
 from typing import Iterable, Sequence
 
 from treecli._errors import KeyPathSyntaxError
+from treecli._escape import is_safe, json_text
 
 KeyPath = tuple  # tuple[str | int, ...]
 
@@ -75,16 +76,19 @@ def format_key(key: str | int) -> str:
     """Format one key as it appears in a key path (without the joining dot)."""
     if isinstance(key, int):
         return str(key)
-    if _PLAIN_KEY.fullmatch(key):
+    if _PLAIN_KEY.fullmatch(key) and is_safe(key):
         return key
-    return "[" + json.dumps(key, ensure_ascii=False) + "]"
+    # JSON escapes C0 controls, quotes and backslashes; the terminal controls it leaves
+    # raw (DEL, C1, bidi) become \u escapes too, which parse back to the same key.
+    return "[" + json_text(json.dumps(key, ensure_ascii=False)) + "]"
 
 
 def format_keypath(keypath: Sequence[str | int]) -> str:
     """Format a key path tuple as text: ``("model", "layers", "0")`` -> ``model.layers.0``.
 
-    Keys that contain ``.``, ``=``, ``*``, brackets, quotes or white space, or
-    are empty, are written in brackets and quotes: ``model["a.b"].weight``.
+    Keys that contain ``.``, ``=``, ``*``, brackets, quotes, white space or
+    terminal controls, or are empty, are written in brackets and quotes, with
+    JSON escapes: ``model["a.b"].weight``, ``["\\u202egnp.exe"]``.
     The empty key path (the root) formats as ``""``.
     """
     out: list[str] = []

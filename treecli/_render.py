@@ -15,6 +15,7 @@ from operator import itemgetter
 from typing import Any, Callable, Iterable, Sequence
 
 from treecli import _summary
+from treecli._escape import quote
 from treecli._keypath import format_key
 from treecli._summary import Node
 
@@ -184,13 +185,13 @@ def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]]) -> Iterable
 
 
 def metadata_lines(metadata: dict[str, Any]) -> Iterable[Line]:
-    rows = [[str(k), v if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
+    rows = [[quote(str(k)), quote(v) if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
     return table(["metadata", "value"], rows)
 
 
 def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]]) -> Line:
     arrays = sum(count for _, count, _, _ in totals)
-    return [(file, "bold"), (f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · "
+    return [(quote(file), "bold"), (f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · "
                              f"{human_bytes(root.nbytes)}", "")]
 
 

@@ -153,11 +153,13 @@ def _run_app(args: list[str], debug: bool) -> int:
 
 
 def _print_error(headline: str, details: list[str] = ()) -> None:
+    from treecli._escape import visible
+
     lines = [f"treecli: error: {' '.join(headline.splitlines())}"]
     lines += [f"    {d}" for d in details[:20]]
     if len(details) > 20:
         lines.append(f"    ... and {len(details) - 20} more")
-    sys.stderr.write("\n".join(lines) + "\n")
+    sys.stderr.write("\n".join(visible(line) for line in lines) + "\n")
 
 
 def run() -> None:

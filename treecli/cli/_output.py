@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
+from treecli._escape import json_text, visible
 
 
 class OutputClosed(Exception):
@@ -50,14 +51,16 @@ class Output:
                                            soft_wrap=soft_wrap)
         return self._consoles[name]
 
-    def print(self, renderable: Any) -> None:
-        self.stdout.print(renderable, markup=False)
+    def print(self, text: str) -> None:
+        """One text for a person on stdout, as is apart from escaped terminal controls."""
+        self.lines(text.split("\n"))
 
     def lines(self, lines: Iterable[str | list[tuple[str, str]]]) -> None:
         """Print lines, each a str or a list of ``(text, style)`` segments: plain text for pipes,
         styled on a terminal."""
         if self.plain:
-            texts = ((line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n" for line in lines)
+            texts = (visible(line if type(line) is str else "".join(t for t, _ in line).rstrip()) + "\n"
+                     for line in lines)
         else:
             # A terminal: Rich's console decides the width and the escape codes of each style;
             # the lines are laid out here (Rich's Text took a minute to lay out the 333k lines
@@ -73,14 +76,14 @@ class Output:
 
     def json(self, document: Any) -> None:
         with _writing_stdout():
-            sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+            sys.stdout.write(json_text(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)) + "\n")
 
     def warn(self, message: str) -> None:
-        sys.stderr.write(f"treecli: warning: {message}\n")
+        sys.stderr.write(visible(f"treecli: warning: {message}") + "\n")
 
     def note(self, message: str) -> None:
         if not self.quiet:
-            sys.stderr.write(f"treecli: {message}\n")
+            sys.stderr.write(visible(f"treecli: {message}") + "\n")
 
     @contextlib.contextmanager
     def progress(self, description: str, total_bytes: int, threshold: int = 64 << 20) -> Iterator[Callable[[int], None]]:
@@ -97,7 +100,7 @@ class Output:
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                    TransferSpeedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=self.stderr, transient=True) as bar:
-            task = bar.add_task(description, total=total_bytes)
+            task = bar.add_task(visible(description), total=total_bytes)
             yield lambda n: bar.advance(task, n)
 
 
@@ -119,9 +122,9 @@ class _StyleCodes(dict):
 def _styled(line: str | list[tuple[str, str]], width: int, codes: _StyleCodes) -> str:
     """One line for a terminal: its segments with their styles, trailing blanks dropped,
     cut to ``width`` characters with an ellipsis when longer (as Rich's crop does)."""
-    segments = [(line, "")] if type(line) is str else line
-    visible = len("".join(text for text, _ in segments).rstrip())
-    if visible <= width:  # the common case: nothing to cut
+    segments = [(visible(line), "")] if type(line) is str else [(visible(text), style) for text, style in line]
+    length = len("".join(text for text, _ in segments).rstrip())
+    if length <= width:  # the common case: nothing to cut
         return "".join(f"{codes[style][0]}{text}{codes[style][1]}" if style else text
                        for text, style in segments).rstrip()
     room = max(width - 1, 0)

@@ -1,0 +1,107 @@
+"""Hostile and odd inputs (issue 14): terminal controls from files, special files,
+bombs, what the references refuse, paths that leave a checkpoint, layouts the
+libraries write, lying metadata, I/O faults and numbers."""
+
+import json
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from .conftest import assert_clean_error, run_cli
+
+# Every character that may steer a terminal: C0 (but the newline ending a line),
+# DEL, C1, bidi controls and isolates, line separators.
+UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+HOSTILE = ["title\x1b]0;pwned\x07", "clear\x1b[2J\x1b[H", "link\x1b]8;;https://evil\x1b\\x\x1b]8;;\x1b\\",
+           "csi\x9b31m", "bidi\u202etxt_exe", "iso\u2066x\u2069", "cr\rover", "del\x7f", "nl\nline"]
+
+
+def assert_terminal_safe(result):
+    for stream in (result.stdout, result.stderr):
+        found = UNSAFE.findall(stream)
+        assert not found, (found, stream[:2000])
+
+
+@pytest.fixture
+def hostile_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    tensors = {f"layer.{name}": np.full(2, i, np.float32) for i, name in enumerate(HOSTILE)}
+    save_file(tensors, str(path), metadata={"note\x1b[31m": "red\x1b]0;x\x07", "bidi": "a\u202eb"})
+    return path, tensors
+
+
+@pytest.mark.parametrize("args", [["show"], ["show", "--flat"], ["show", "--stats"], ["show", "--depth", "1"]])
+def test_names_and_metadata_from_a_file_never_reach_the_terminal_raw(hostile_file, args):
+    path, tensors = hostile_file
+    result = run_cli(*args[:1], path, *args[1:])
+    assert result.code == 0, result.stderr
+    assert_terminal_safe(result)
+    if "--depth" not in args:
+        assert re.search(r"\\(x1b|u001b)\]0;pwned", result.stdout) and "\\u202e" in result.stdout
+
+
+def test_json_carries_hostile_names_exactly(hostile_file):
+    path, tensors = hostile_file
+    result = run_cli("show", path, "--json")
+    assert_terminal_safe(result)
+    document = json.loads(result.stdout)
+    assert {leaf["keypath"] for leaf in document["leaves"]} == {
+        __import__("treecli").format_keypath(("layer", name)) for name in HOSTILE}
+    assert document["metadata"]["note\x1b[31m"] == "red\x1b]0;x\x07"
+    assert document["metadata"]["bidi"] == "a\u202eb"
+
+
+def test_escaped_key_paths_parse_back_to_the_same_leaf(hostile_file):
+    path, tensors = hostile_file
+    document = run_cli("show", path, "--json").json
+    for leaf in document["leaves"]:
+        result = run_cli("get", path, leaf["keypath"], "--json")
+        assert result.code == 0, result.stderr
+        assert_terminal_safe(result)
+
+
+def test_error_lines_and_warnings_escape_file_and_key_names(tmp_path, hostile_file):
+    path, _ = hostile_file
+    result = run_cli("get", path, "layer.nomatch\x1b[2J")
+    assert_clean_error(result)
+    assert_terminal_safe(result)
+    bad = tmp_path / "bad\x1b]0;x\x07.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(directory / "model-00001-of-00001.safetensors"))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    save_file({"x": np.ones(2, np.float32)}, str(directory / "stray\u202e\x1b[2J.safetensors"))
+    for args in (["show", bad], ["show", directory], ["diff", bad, path]):
+        result = run_cli(*args)
+        assert_terminal_safe(result)
+    assert "stray" in run_cli("show", directory).stderr
+
+
+def test_a_hostile_header_value_in_an_error_message_is_escaped(tmp_path):
+    path = tmp_path / "x.safetensors"
+    header = json.dumps({"w\x1b]0;t\x07": {"dtype": "F\u202e32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    result = run_cli("show", path)
+    assert_clean_error(result)
+    assert_terminal_safe(result)
+
+
+def test_terminal_lines_are_escaped_as_well(monkeypatch, capsys):
+    from treecli.cli import _output
+
+    monkeypatch.setattr(_output, "_isatty", lambda stream: True)
+    out = _output.Output()
+    assert not out.plain
+    out.lines([[("key\x1b[2J", "bold"), ("  [2] float32", "")], "bidi\u202eexe"])
+    out.warn("stray\x9b31m shard")
+    captured = capsys.readouterr()
+    assert "key\\x1b[2J" in captured.out and "bidi\\u202eexe" in captured.out
+    assert "\x1b[2J" not in captured.out and "\u202e" not in captured.out
+    assert captured.err == "treecli: warning: stray\\x9b31m shard\n"

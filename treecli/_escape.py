@@ -1,0 +1,59 @@
+"""Text that came from a file, made safe for a terminal.
+
+A tensor name, a metadata value, an Orbax key or a shard's file name may hold
+terminal controls: ESC sequences that retitle the window or clear the screen,
+OSC 8 links, C1 controls (U+009B is a one-character CSI), a lone CR that
+overwrites the line, bidi controls that show a name reversed ("Trojan Source").
+Every such character is shown as an escape (``\\x1b``, ``\\u202e``):
+
+- ``quote`` for a value on its own (a file name, a metadata value): a text that
+  needs escapes is shown in double quotes, with ``\\`` and ``"`` escaped too,
+  so it cannot be mistaken for a text that spells the escape (as ``git`` and
+  ``ls`` quote file names);
+- ``visible`` as the last pass over every line treecli prints for a person,
+  whatever it holds;
+- ``json_text`` for ``--json``: the same characters as JSON ``\\u`` escapes,
+  so the document decodes to exactly the original strings.
+
+No dependencies: the error boundary and ``show`` use it.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 controls (newline and tab included: one printed line is one line), DEL, C1
+# controls, the Arabic letter mark, LRM/RLM, line and paragraph separators, and
+# the bidi embeddings, overrides and isolates.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _json_escape(match: re.Match) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def is_safe(text: str) -> bool:
+    return text.isprintable() or _UNSAFE.search(text) is None  # isprintable: the fast path, in C
+
+
+def visible(text: str) -> str:
+    """``text`` with every terminal control shown as an escape."""
+    return text if is_safe(text) else _UNSAFE.sub(_escape, text)
+
+
+def quote(text: str) -> str:
+    """``text`` as is when it is safe, else double-quoted with its controls, ``\\`` and ``"`` escaped."""
+    if is_safe(text):
+        return text
+    return '"' + _UNSAFE.sub(_escape, text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+
+
+def json_text(document: str) -> str:
+    """A JSON document with the controls JSON leaves raw (DEL, C1, bidi) escaped as ``\\uXXXX``."""
+    return document if is_safe(document.replace("\n", "")) else _UNSAFE.sub(
+        lambda m: m.group() if m.group() == "\n" else _json_escape(m), document)
