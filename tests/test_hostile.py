@@ -105,3 +105,57 @@ def test_terminal_lines_are_escaped_as_well(monkeypatch, capsys):
     assert "key\\x1b[2J" in captured.out and "bidi\\u202eexe" in captured.out
     assert "\x1b[2J" not in captured.out and "\u202e" not in captured.out
     assert captured.err == "treecli: warning: stray\\x9b31m shard\n"
+
+
+# --- special files ----------------------------------------------------------------------------
+
+
+def bounded(*args, seconds=30):
+    """run_cli in a daemon thread: a hang fails the test instead of stalling the suite."""
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", run_cli(*args)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"treecli {args} still running after {seconds} s"
+    return box["result"]
+
+
+@pytest.mark.parametrize("name", ["w.safetensors", "w.npz", "w.msgpack", "w.eqx", "noext"])
+def test_a_fifo_as_the_file_is_refused_at_once(tmp_path, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    for args in (["show", fifo], ["show", fifo, "--format", "npz"], ["get", fifo, "x"]):
+        result = bounded(*args)
+        assert_clean_error(result, "FIFO")
+
+
+@pytest.mark.parametrize("name", ["w.msgpack", "w.npz", "w.eqx", "w.safetensors"])
+def test_dev_zero_behind_a_checkpoint_name_is_refused(tmp_path, name):
+    link = tmp_path / name
+    link.symlink_to("/dev/zero")
+    result = bounded("show", link)
+    assert_clean_error(result, "character device")
+
+
+def test_a_fifo_as_an_hf_shard_or_index_is_refused(tmp_path):
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(directory / "model-00001-of-00002.safetensors"))
+    os.mkfifo(directory / "model-00002-of-00002.safetensors")
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}}))
+    assert_clean_error(bounded("show", directory), "FIFO")
+    (directory / "model.safetensors.index.json").unlink()
+    os.mkfifo(directory / "model.safetensors.index.json")
+    assert_clean_error(bounded("show", directory), "FIFO")
+
+
+@pytest.mark.parametrize("member", ["_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA"])
+def test_a_fifo_inside_an_orbax_checkpoint_is_refused(tmp_path, member):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(path), {"w": np.ones(3, np.float32)})
+    (path / member).unlink()
+    os.mkfifo(path / member)
+    assert_clean_error(bounded("show", path), "FIFO")

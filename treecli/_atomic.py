@@ -25,12 +25,15 @@ from typing import BinaryIO, Iterator
 from treecli._errors import NotDurableError
 
 TMP_PREFIX = ".treecli-tmp-"
+# A temporary is made under this prefix, locked, then renamed to its TMP_PREFIX name,
+# so that every TMP_PREFIX entry nobody locks is provably abandoned.
+_NEW_PREFIX = ".treecli-new-"
 # Room left in a file name for what another library appends to our temporary
 # (Orbax writes "<name>.orbax-checkpoint-tmp-<timestamp>" beside what it is given).
 _SUFFIX_ROOM = 48
-# A temporary younger than this is spared even when unlocked: its writer may be
-# between creating it and locking it.
-_GRACE_SECONDS = 10
+# An unlocked _NEW_PREFIX entry younger than this may be a writer between making and
+# locking it; older, it was left by a run killed in that instant.
+_GRACE_SECONDS = 60
 
 
 def _umask() -> int:
@@ -105,6 +108,26 @@ def _lock(fd: int) -> bool:
         return False
 
 
+def _locked_temporary(target: Path, directory: bool) -> tuple[Path, int]:
+    """A new empty file (or directory) beside ``target``, locked, under a temporary name;
+    returns it and the descriptor that holds the lock."""
+    name = temp_name(target)
+    new = name.with_name(_NEW_PREFIX + name.name[len(TMP_PREFIX):])
+    if directory:
+        new.mkdir(mode=0o700)
+        fd = os.open(new, os.O_RDONLY)
+    else:
+        fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(new, name)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True) if directory else os.unlink(new)
+        raise
+    return name, fd
+
+
 def remove_stale_temporaries(directory: Path) -> None:
     """Remove temporaries in ``directory`` that no writer holds (left by killed runs)."""
     try:
@@ -112,11 +135,11 @@ def remove_stale_temporaries(directory: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        if not entry.name.startswith(TMP_PREFIX):
+        if not entry.name.startswith((TMP_PREFIX, _NEW_PREFIX)):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
-            if time.time() - info.st_mtime < _GRACE_SECONDS:
+            if entry.name.startswith(_NEW_PREFIX) and time.time() - info.st_mtime < _GRACE_SECONDS:
                 continue
             if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
                 continue
@@ -169,10 +192,8 @@ def atomic_file(target: Path, like: os.stat_result | None = None) -> Iterator[Pa
     """
     target = Path(target)
     remove_stale_temporaries(target.parent)
-    tmp = temp_name(target)
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    tmp, fd = _locked_temporary(target, directory=False)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield tmp
         _keep_identity(tmp, like)
         os.fsync(fd)
@@ -197,11 +218,8 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     """
     target = Path(target)
     remove_stale_temporaries(target.parent)
-    holder = temp_name(target)
-    holder.mkdir(mode=0o700)
-    fd = os.open(holder, os.O_RDONLY)
+    holder, fd = _locked_temporary(target, directory=True)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         built = holder / "checkpoint"
         built.mkdir(mode=0o777 & ~_umask())
         yield built

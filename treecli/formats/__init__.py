@@ -37,6 +37,7 @@ def detect(path: Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise UsageError("no such file or directory", file=str(path))
+    _refuse_special(path)
     reasons = []
     for name in FORMATS:
         fmt = get(name)
@@ -63,8 +64,10 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     """Open a checkpoint lazily: metadata is read now, array data only when asked."""
     path = Path(path)
     fmt = get(format) if format else detect(path)
-    if format and not path.exists():
-        raise UsageError("no such file or directory", file=str(path))
+    if format:
+        if not path.exists():
+            raise UsageError("no such file or directory", file=str(path))
+        _refuse_special(path)
     try:
         checkpoint = fmt.open(path, **options)
     except TreecliError as e:
@@ -77,6 +80,18 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     if checkpoint.origin is None and path.is_file():  # the single-file formats
         checkpoint.origin = Origin("file", path, [path])
     return checkpoint
+
+
+def _refuse_special(path: Path) -> None:
+    """A checkpoint is a regular file or a directory: a FIFO or a device is refused before any open."""
+    import os
+    import stat
+
+    from treecli.formats._filedata import refuse_special
+
+    mode = os.stat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        refuse_special(path, mode)
 
 
 def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Any, bool]:

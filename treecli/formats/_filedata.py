@@ -12,12 +12,42 @@ import collections
 import contextlib
 import math
 import os
+import stat
 import threading
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from treecli import _dtypes, _index
 from treecli._errors import FormatError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
+def refuse_special(path: str | os.PathLike, mode: int) -> None:
+    """Only regular files are read: a FIFO would block forever and /dev/zero never ends."""
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise FormatError(f"is {kind}; treecli reads only regular files", file=str(path))
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open an input file for reading, refusing at once anything but a regular file
+    (without blocking: opening a FIFO would wait for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        refuse_special(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A small text file (JSON metadata) as UTF-8, from a regular file only."""
+    with open_regular(path) as f:
+        return f.read().decode("utf-8")
 
 
 def identity(info: os.stat_result) -> tuple[int, int, int, int]:
@@ -41,7 +71,7 @@ class FileReader:
         self.users = 0  # reads under way (guarded by the pool's lock): the pool never closes it then
 
     def open_checked(self) -> int:
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO took its place
         if identity(os.fstat(fd)) != self.identity:
             os.close(fd)
             raise FormatError("the file changed since it was opened (replaced or rewritten); run the command "

@@ -7,6 +7,7 @@ import zipfile
 from pathlib import Path
 
 from treecli._errors import FormatError, RefusedError
+from treecli.formats._filedata import open_regular
 
 _PICKLE_ADVICE = (
     "loading a pickle can run arbitrary code, so treecli never does; where you trust the file, convert it: "
@@ -25,7 +26,7 @@ def check(path: Path) -> None:
     if path.is_dir():
         return
     file = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(512)
     if not head:
         raise FormatError("file is empty (0 bytes)", file=file)

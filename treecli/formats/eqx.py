@@ -16,7 +16,7 @@ from typing import Any
 from treecli._errors import FormatError, RefusedError
 from treecli.formats import _npy
 from treecli.formats._base import Checkpoint
-from treecli.formats._filedata import FileArrayLeaf, FileReader
+from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular
 
 
 class _Format:
@@ -27,7 +27,7 @@ class _Format:
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
             return "a directory"
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return None if f.read(6) == _npy.MAGIC else "does not start with a .npy record"
 
     def open(self, path: Path, **_: Any) -> Checkpoint:
@@ -39,11 +39,12 @@ FORMAT = _Format()
 
 def _open(path: Path) -> Checkpoint:
     file = str(path)
-    size = os.stat(path).st_size
-    reader = FileReader(file)
     leaves = []
     offset = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        info = os.fstat(f.fileno())
+        size = info.st_size
+        reader = FileReader(file, identity(info))
         while offset < size:
             where = f"record [{len(leaves)}] at byte {offset}"
             f.seek(offset)

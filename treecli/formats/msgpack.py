@@ -20,6 +20,7 @@ from treecli import _dtypes, _leaf, _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._filedata import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
@@ -37,7 +38,7 @@ class _Format:
             return "a directory"
         if not path.name.endswith(self.extensions):
             return "not named *.msgpack"
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             first = f.read(1)
         return None if first and first[0] in _MAP_FIRST_BYTES else "does not start with a msgpack map"
 
@@ -80,7 +81,7 @@ def _open(path: Path) -> Checkpoint:
         raise _BadExtension(f"unknown msgpack extension type {code}")
 
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
         tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
     except _BadExtension as e:

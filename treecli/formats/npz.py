@@ -27,7 +27,7 @@ from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader, identity
+from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular
 
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
@@ -45,7 +45,7 @@ class _Format:
         if path.is_dir():
             return "a directory"
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 if f.read(4) != b"PK\x03\x04":
                     return "not a zip file"
             with zipfile.ZipFile(path) as z:
@@ -70,7 +70,7 @@ FORMAT = _Format()
 
 def _open(path: Path) -> Checkpoint:
     file = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         file_identity = identity(os.fstat(f.fileno()))  # members are read from this same file later
         try:
             archive = zipfile.ZipFile(f)

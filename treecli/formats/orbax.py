@@ -20,6 +20,7 @@ from treecli import _leaf, _tree
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
+from treecli.formats._filedata import read_text, refuse_special
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _MEMORY_FACTOR = 4
@@ -96,7 +97,7 @@ def _committed(directory: Path) -> bool:
     if (directory / "commit_success.txt").is_file():
         return True
     try:
-        metadata = json.loads((directory / "_CHECKPOINT_METADATA").read_text(encoding="utf-8"))
+        metadata = json.loads(read_text(directory / "_CHECKPOINT_METADATA"))
     except (OSError, ValueError):
         return False
     return isinstance(metadata, dict) and bool(metadata.get("commit_timestamp_nsecs"))
@@ -137,13 +138,14 @@ def _open_step(step_dir: Path) -> Checkpoint:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"cannot read it as JSON: {e}", file=str(path)) from None
 
 
 def _refuse_escaping_symlinks(root: Path) -> None:
-    """A symlink whose target lies outside the checkpoint could leak host files into outputs."""
+    """A symlink whose target lies outside the checkpoint could leak host files into outputs;
+    a FIFO or a device among its files would hang tensorstore or never end."""
     real_root = os.path.realpath(root)
     for directory, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -153,6 +155,11 @@ def _refuse_escaping_symlinks(root: Path) -> None:
                 if os.path.commonpath([real_root, target]) != real_root:
                     raise FormatError(f"symlink {os.path.relpath(entry, root)} leaves the checkpoint directory "
                                       f"(-> {target}); refusing to read it", file=str(root))
+            if name in files:
+                try:
+                    refuse_special(entry, os.stat(entry).st_mode)
+                except FileNotFoundError:  # a dangling link: the read that needs it says so
+                    continue
 
 
 # --- the tree -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from treecli._errors import FormatError, NotDurableError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader, identity
+from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular, read_text
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -54,9 +54,9 @@ class _Format:
         if path.name.endswith(INDEX_SUFFIX):
             return None
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 head = f.read(9)
-            size = path.stat().st_size
+                size = os.fstat(f.fileno()).st_size
         except OSError as e:
             return str(e)
         if len(head) < 9:
@@ -109,7 +109,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
         FormatError: naming the file and, where there is one, the tensor.
     """
     file = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         info = os.fstat(f.fileno())
         size = info.st_size
         prefix = f.read(8)
@@ -338,7 +338,7 @@ def _open_index(index_path: Path) -> Checkpoint:
     file = str(index_path)
     directory = index_path.parent
     try:
-        text = index_path.read_text(encoding="utf-8")
+        text = read_text(index_path)
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"cannot read the shard index: {e}", file=file) from None
     index = _parse_json(text, file)
@@ -351,7 +351,7 @@ def _open_index(index_path: Path) -> Checkpoint:
             raise FormatError(f"weight_map names shard {shard!r}, which leaves the checkpoint directory", file=file, keypath=name)
     shards = list(dict.fromkeys(weight_map.values()))
     for shard in shards:
-        if not (directory / shard).is_file():
+        if not os.path.exists(directory / shard):  # a special file is refused when it is opened
             raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
     checkpoint = Checkpoint(tree=None, format="safetensors", file=file,
                             origin=Origin("sharded", index_path, [index_path] + [directory / s for s in shards]))
