@@ -159,3 +159,49 @@ def test_a_fifo_inside_an_orbax_checkpoint_is_refused(tmp_path, member):
     (path / member).unlink()
     os.mkfifo(path / member)
     assert_clean_error(bounded("show", path), "FIFO")
+
+
+# --- never accept what the reference refuses ----------------------------------------------------
+
+
+def _st(header: str, data: bytes = b"") -> bytes:
+    raw = header.encode("utf-8")
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+REFUSED_BY_THE_REFERENCE = {
+    "shape overflows before a zero": _st(json.dumps({"w": {"dtype": "F32", "shape": [2**62, 2**62, 0],
+                                                           "data_offsets": [0, 0]}})),
+    "dimension past 64 bits beside a zero": _st(json.dumps({"w": {"dtype": "F32", "shape": [2**70, 0],
+                                                                  "data_offsets": [0, 0]}})),
+    "bytes overflow": _st(json.dumps({"w": {"dtype": "F64", "shape": [2**61], "data_offsets": [0, 0]}})),
+    "lone surrogate in a key": _st('{"w\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "lone surrogate in metadata": _st('{"__metadata__":{"a":"\\udc00"},"w":{"dtype":"F32","shape":[1],'
+                                      '"data_offsets":[0,4]}}', b"\0" * 4),
+    "minus zero offset": _st('{"w":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}', b"\0" * 4),
+    "minus zero dimension": _st('{"w":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}}'),
+    "float dimension": _st('{"w":{"dtype":"F32","shape":[1e0],"data_offsets":[0,4]}}', b"\0" * 4),
+    "thousands of digits": _st('{"w":{"dtype":"F32","shape":[' + "9" * 5000 + '],"data_offsets":[0,4]}}', b"\0" * 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_BY_THE_REFERENCE))
+def test_what_the_reference_refuses_treecli_refuses_cleanly(tmp_path, case):
+    from safetensors import SafetensorError, deserialize
+
+    raw = REFUSED_BY_THE_REFERENCE[case]
+    with pytest.raises(SafetensorError):
+        deserialize(raw)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(raw)
+    for args in (["show", path], ["convert", path, tmp_path / "o.npz"]):
+        assert_clean_error(run_cli(*args))
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_minus_zero_inside_a_name_is_still_a_valid_file(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file({"block:-0": np.ones(1, np.float32), "a,-0": np.zeros(1, np.float32)}, str(path))
+    result = run_cli("show", path, "--json")
+    assert result.code == 0, result.stderr
+    assert {leaf["keypath"] for leaf in result.json["leaves"]} == {"block:-0", "a,-0"}

@@ -26,6 +26,12 @@ from treecli.formats._base import Checkpoint, Origin, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular, read_text
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+_USIZE = 1 << 64  # the reference reads shapes and offsets as 64-bit unsigned integers
+# A "-0" number token (the reference reads it as a float and refuses it); found in
+# strings too, where it only sends the header down the slower exact check.
+_MINUS_ZERO = re.compile(r"[\[,:\s]-0(?![.eE0-9])")
+# A JSON escape of a UTF-16 surrogate: paired ones are fine, a lone one is not UTF-8.
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 INDEX_SUFFIX = ".safetensors.index.json"
 
 _CODES = {
@@ -157,7 +163,10 @@ def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tup
                     raise FormatError("__metadata__ must be an object of strings", file=file)
             continue
         dtype, shape, begin, end = _check_entry(name, info, file)
-        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if nbytes >= _USIZE or 0 in shape:
+            _refuse_overflow(shape, _ITEMSIZE[dtype], file, name)
+        if end - begin != nbytes:
             raise FormatError(
                 f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {list(shape)} "
                 f"of {dtype} needs {math.prod(shape) * _ITEMSIZE[dtype]}",
@@ -170,6 +179,20 @@ def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tup
     spans.sort()
     _check_tiling(spans, size, data_start, file)
     return tensors, metadata, data_start
+
+
+def _refuse_overflow(shape: tuple[int, ...], itemsize: int, file: str, name: str) -> None:
+    """The reference multiplies a shape out in 64-bit integers, left to right, and refuses
+    an overflow even when a later dimension is 0 (``[2**62, 2**62, 0]``): so does treecli."""
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= _USIZE:
+            break
+    else:
+        if count * itemsize < _USIZE:
+            return
+    raise FormatError(f"shape {list(shape)} overflows 64 bits when multiplied out", file=file, keypath=name)
 
 
 def _check_tiling(spans: list, size: int, data_start: int, file: str) -> None:
@@ -210,12 +233,27 @@ def _parse_pairs(text: str, file: str) -> Any:
     def no_constants(name: str) -> Any:
         raise FormatError(f"header contains {name}, which is not JSON", file=file)
 
+    def no_minus_zero(literal: str) -> int:
+        if literal == "-0":
+            raise FormatError("header holds the number -0, which is not an unsigned integer", file=file)
+        return int(literal)
+
+    exact = {"parse_int": no_minus_zero} if _MINUS_ZERO.search(text) else {}
     try:
-        return json.loads(text, object_pairs_hook=_Pairs, parse_constant=no_constants)
+        parsed = json.loads(text, object_pairs_hook=_Pairs, parse_constant=no_constants, **exact)
     except json.JSONDecodeError as e:
         raise FormatError(f"header is not valid JSON: {e.msg} at character {e.pos}", file=file) from None
     except RecursionError:
         raise FormatError("header JSON is nested too deeply", file=file) from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise FormatError(f"header is not valid JSON: {e}", file=file) from None
+    if _SURROGATE.search(text):
+        try:
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise FormatError("header holds a lone UTF-16 surrogate (\\uD800-\\uDFFF), which is not text",
+                              file=file) from None
+    return parsed
 
 
 def _as_dict(value: Any, file: str) -> Any:
