@@ -205,3 +205,82 @@ def test_minus_zero_inside_a_name_is_still_a_valid_file(tmp_path):
     result = run_cli("show", path, "--json")
     assert result.code == 0, result.stderr
     assert {leaf["keypath"] for leaf in result.json["leaves"]} == {"block:-0", "a,-0"}
+
+
+# --- bombs: bounded memory, near-linear time, nothing deep recurses --------------------------------
+
+
+def test_a_key_of_990_segments_is_shown_flat_and_works_everywhere(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    key = ".".join(["s"] * 990)
+    save_file({key: np.ones(2, np.float32), "b": np.zeros(1, np.float32)}, str(path))
+    result = run_cli("show", path)
+    assert result.code == 0, result.stderr
+    assert "showing keys flat" in result.stderr
+    for args in (["show", path, "--json"], ["diff", path, path], ["convert", path, tmp_path / "o.npz"],
+                 ["edit", path, "--scale", "**=2", "-o", tmp_path / "o.safetensors"],
+                 ["slice", path, "--index", "0", "-o", tmp_path / "s.safetensors"],
+                 ["average", path, path, "-o", tmp_path / "a.safetensors"]):
+        result = run_cli(*args)
+        assert result.code == 0, (args, result.stderr)
+    from safetensors.numpy import load_file
+
+    assert load_file(str(tmp_path / "o.safetensors"))[key].tolist() == [2, 2]
+
+
+def test_deeply_nested_msgpack_is_a_clean_error(tmp_path):
+    import msgpack
+
+    node = {"w": 1}
+    for _ in range(990):
+        node = {"a": node}
+    path = tmp_path / "deep.msgpack"
+    path.write_bytes(msgpack.packb(node))
+    assert_clean_error(run_cli("show", path), "deeper")
+
+
+def test_mixed_key_types_in_a_msgpack_map_inside_a_list_are_refused(tmp_path):
+    import msgpack
+
+    path = tmp_path / "m.msgpack"
+    path.write_bytes(msgpack.packb({"layers": [{1: 1, "1": 2}]}, strict_types=False))
+    assert_clean_error(run_cli("show", path), "mixed types")
+
+
+def test_an_npz_of_80000_members_opens_in_linear_time(tmp_path):
+    import io
+    import time
+    import zipfile
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(1, np.float32))
+    member = buffer.getvalue()
+    path = tmp_path / "many.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for i in range(80_000):
+            z.writestr(f"p{i}.npy", member)
+    start = time.perf_counter()
+    result = run_cli("show", path, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json["num_leaves"] == 80_000
+    assert time.perf_counter() - start < 60  # minutes when the duplicate check was quadratic
+
+
+def test_an_orbax_array_named_outside_the_checkpoint_is_refused(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    path = tmp_path / "ckpt"
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    ocp.Checkpointer(handler).save(str(path), {"w": np.arange(3, dtype=np.float32)})
+    assert (path / "w").is_dir()
+    secret = tmp_path / "secret"
+    import shutil
+
+    shutil.copytree(path / "w", secret)
+    metadata = json.loads((path / "_METADATA").read_text())
+    for entry in metadata["tree_metadata"].values():
+        entry["key_metadata"][0]["key"] = str(secret)  # an absolute path
+    (path / "_METADATA").write_text(json.dumps(metadata))
+    for args in (["show", path], ["get", path, "w"], ["convert", path, tmp_path / "o.safetensors"]):
+        result = run_cli(*args)
+        assert_clean_error(result, "outside the checkpoint")
+    assert not (tmp_path / "o.safetensors").exists()

@@ -108,7 +108,7 @@ BAD_FILES = {
                      "data_offsets"),
     "size_mismatch": (raw_safetensors({"a": _entry(shape=(2,))}, b"\0" * 4), "needs 8"),
     "size_overflow": (raw_safetensors({"a": _entry(shape=(2, 18446744073709551614), offsets=(0, 16))}, b"\0" * 16),
-                      "needs"),
+                      "overflows 64 bits"),
     "duplicate_key": (raw_safetensors('{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
                                       '"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
                       "duplicate key 'w'"),

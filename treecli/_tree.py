@@ -20,6 +20,12 @@ from treecli._errors import KeyPathError
 from treecli._keypath import KeyPath, format_keypath
 
 
+# The deepest tree treecli walks. Its walks recurse a frame or two per level, so this
+# keeps them far from Python's recursion limit: formats refuse deeper trees on open,
+# and flat-keyed ones show keys that would nest deeper flat instead.
+MAX_DEPTH = 100
+
+
 def is_node(value: Any) -> bool:
     return isinstance(value, (dict, list, tuple)) and len(value) > 0
 

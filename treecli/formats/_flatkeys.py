@@ -26,7 +26,11 @@ def nest(items: list[tuple[str, Any]], separator: str) -> tuple[dict, str | None
         node = inner.get(prefix) if sep else root
         if node is None:  # the first key under this prefix: walk (and make) its path
             node = root
-            for part in prefix.split(separator):
+            parts = prefix.split(separator)
+            if len(parts) >= _tree.MAX_DEPTH:
+                return {k: v for k, v in items}, (f"key {key!r} has {len(parts) + 1} segments, more levels than "
+                                                  f"treecli nests ({_tree.MAX_DEPTH}); showing keys flat")
+            for part in parts:
                 child = node.setdefault(part, {})
                 if not isinstance(child, dict):  # `a` is a leaf and `a.b` wants it as a node
                     return _flat(items, key, separator)

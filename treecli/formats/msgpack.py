@@ -109,9 +109,14 @@ def _known_dtype(name: Any):
 
 
 def _checked(node: Any, keypath: tuple, file: str) -> Any:
-    """Mixed key types at one level are an error; chunked arrays are reassembled."""
+    """Mixed key types at one level are an error (in maps inside lists too); chunked
+    arrays are reassembled; deeper than ``MAX_DEPTH`` is an error."""
     import numpy as np
 
+    if len(keypath) > _tree.MAX_DEPTH and isinstance(node, (dict, list)):
+        raise FormatError(f"nested deeper than {_tree.MAX_DEPTH} levels, more than treecli walks", file=file)
+    if isinstance(node, list):
+        return [_checked(v, keypath + (i,), file) for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
     if node.get(_CHUNKED) is True:

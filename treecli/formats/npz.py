@@ -14,6 +14,7 @@ restores them. A ``V`` member from elsewhere is shown as such, with a warning.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
@@ -84,7 +85,7 @@ def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) ->
     with archive:
         infos = archive.infolist()
         names = [i.filename for i in infos]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        duplicates = sorted(n for n, count in collections.Counter(names).items() if count > 1)
         if duplicates:
             raise FormatError(f"duplicate member names: {', '.join(duplicates)}", file=file)
         real_dtypes = {}

@@ -180,6 +180,9 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
             value_type = value["value_type"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"_METADATA entry {raw!r} is malformed", file=str(directory)) from None
+        if len(keypath) > _tree.MAX_DEPTH:
+            raise FormatError(f"a key path of {len(keypath)} keys is deeper than treecli walks "
+                              f"({_tree.MAX_DEPTH})", file=str(directory))
         entries.append((keypath, value_type, value.get("write_shape")))
     arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
     stores = _open_arrays(directory, metadata, [kp for kp, _ in arrays])
@@ -233,7 +236,7 @@ def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict
         if metadata.get("use_ocdbt", True):
             kvstore = {"driver": "ocdbt", "base": base, "path": name}
         else:
-            kvstore = {"driver": "file", "path": os.path.join(os.path.abspath(directory), name) + "/"}
+            kvstore = {"driver": "file", "path": _inside(directory, name, keypath) + "/"}
         futures[keypath] = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True)
     stores = {}
     for keypath, future in futures.items():
@@ -244,6 +247,17 @@ def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict
             raise FormatError(f"array data is missing or unreadable: {message}", file=str(directory),
                               keypath=".".join(str(k) for k in keypath)) from None
     return stores
+
+
+def _inside(directory: Path, name: str, keypath: tuple) -> str:
+    """The array directory a name in ``_METADATA`` stands for, which must lie inside the
+    checkpoint: an absolute name or ``..`` would read a host file into an output."""
+    root = os.path.realpath(directory)
+    path = os.path.realpath(os.path.join(root, name))
+    if not path.startswith(root + os.sep):
+        raise FormatError(f"_METADATA names array {name!r}, which lies outside the checkpoint directory; refusing "
+                          "to read it", file=str(directory), keypath=format_keypath(keypath))
+    return path
 
 
 class OrbaxLeaf(_leaf.WholeLeaf):
