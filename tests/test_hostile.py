@@ -284,3 +284,84 @@ def test_an_orbax_array_named_outside_the_checkpoint_is_refused(tmp_path):
         result = run_cli(*args)
         assert_clean_error(result, "outside the checkpoint")
     assert not (tmp_path / "o.safetensors").exists()
+
+
+# --- valid layouts the libraries write ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("options,names", [({"step_format_fixed_length": 8}, ["00000100", "00000200"]),
+                                           ({"step_prefix": "checkpoint"}, ["checkpoint_100", "checkpoint_200"])])
+def test_manager_roots_with_padded_or_prefixed_step_names(tmp_path, options, names):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(str(root), options=ocp.CheckpointManagerOptions(**options)) as manager:
+        for step in (100, 200):
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.full(2, step, np.float32)})))
+        manager.wait_until_finished()
+    assert sorted(p.name for p in root.iterdir()) == names
+    result = run_cli("show", root)
+    assert result.code == 0, result.stderr
+    assert "steps: 100, 200" in result.stdout
+    assert run_cli("get", root, "state.w", "--step", "100", "--json").json["value"] == [100, 100]
+    assert run_cli("get", root, "state.w", "--json").json["value"] == [200, 200]
+
+
+def test_the_layout_before_metadata_reads_as_orbax_restores_it(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from flax import serialization
+
+    path = tmp_path / "legacy"
+    tree = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": 3}
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(str(path), tree)
+    (path / "_METADATA").unlink()
+    aggregate = {"params": {"w": "PLACEHOLDER://params.w"}, "step": 3}
+    (path / "checkpoint").write_bytes(serialization.msgpack_serialize(aggregate))
+    restored = ocp.PyTreeCheckpointer().restore(str(path))
+    result = run_cli("get", path, "params.w", "--json")
+    assert result.code == 0, result.stderr
+    assert result.json["value"] == restored["params"]["w"].tolist()
+    assert run_cli("get", path, "step", "--json").json["value"] == restored["step"]
+
+
+def test_an_empty_safetensors_file_converts(tmp_path):
+    from safetensors import deserialize
+
+    path = tmp_path / "empty.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    for out in ("o.safetensors", "o.msgpack"):
+        result = run_cli("convert", path, tmp_path / out)
+        assert result.code == 0, result.stderr
+    assert deserialize((tmp_path / "o.safetensors").read_bytes()) == []
+    assert_clean_error(run_cli("convert", path, tmp_path / "o.npz"), "no arrays")
+
+
+def test_an_npz_with_text_arrays_beside_the_weights(tmp_path):
+    path = tmp_path / "t.npz"
+    np.savez(path, w=np.ones(2, np.float32), names=np.array(["a", "bc"]), raw=np.array([b"x", b"yz"]))
+    result = run_cli("show", path, "--json")
+    assert result.code == 0, result.stderr
+    assert [leaf["keypath"] for leaf in result.json["leaves"]] == ["w"]
+    assert "names.npy" in result.stderr and "raw.npy" in result.stderr
+
+
+def test_a_zip_without_npy_members_is_no_checkpoint(tmp_path):
+    import zipfile
+
+    path = tmp_path / "x.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("readme.txt", "hello")
+    assert_clean_error(run_cli("show", path), "no arrays")
+
+
+# --- format metadata that lies -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["object", "str", "<U4", "datetime64[s]"])
+def test_treecli_npz_metadata_naming_a_non_numeric_dtype_is_refused(tmp_path, dtype):
+    import zipfile
+
+    path = tmp_path / "x.npz"
+    np.savez(path, w=np.zeros(4, np.uint8).view("V4"))
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("__treecli__.json", json.dumps({"dtypes": {"w": dtype}}))
+    assert_clean_error(run_cli("show", path), "not a numeric dtype")

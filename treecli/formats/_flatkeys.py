@@ -75,6 +75,8 @@ def flatten_for_writing(tree: Any, separator: str, file: str) -> list[tuple[str,
     """``(flat key, key path, leaf)`` for every leaf; duplicate flat keys are an error."""
     out = []
     seen: dict[str, tuple] = {}
+    if isinstance(tree, (dict, list, tuple)) and not tree:  # an empty checkpoint: nothing to store
+        return out
     for keypath, leaf in _tree.flatten(tree):
         key = join(keypath, separator, file)
         if key in seen:

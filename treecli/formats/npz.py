@@ -88,6 +88,8 @@ def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) ->
         duplicates = sorted(n for n, count in collections.Counter(names).items() if count > 1)
         if duplicates:
             raise FormatError(f"duplicate member names: {', '.join(duplicates)}", file=file)
+        if not any(name.endswith(".npy") for name in names):
+            raise FormatError("no arrays: the zip holds no .npy members", file=file)
         real_dtypes = {}
         if METADATA_MEMBER in names:
             try:
@@ -112,6 +114,9 @@ def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) ->
                 leaf = _member_leaf(path, archive, info, reader, real_dtypes.get(key), key)
             except _ZIP_ERRORS as e:
                 raise FormatError(f"damaged zip member: {type(e).__name__}: {e}", file=file, keypath=key) from None
+            except _NotNumbers as e:
+                checkpoint.warnings.append(f"ignoring member {info.filename!r}: {e}")
+                continue
             if leaf.dtype_name.startswith("V") and key not in real_dtypes:
                 void.append((key, leaf.dtype_name))
             items.append((key, leaf))
@@ -123,6 +128,10 @@ def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) ->
     if warning:
         checkpoint.warnings.append(warning)
     return checkpoint
+
+
+class _NotNumbers(Exception):
+    """A member holding strings, bytes or dates: skipped with a warning, never misread."""
 
 
 def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, reader: FileReader,
@@ -141,6 +150,12 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
     if data_start + header.nbytes != info.file_size:
         raise FormatError(f"header declares shape {list(shape)} of {dtype} ({header.nbytes} bytes), but the member "
                           f"holds {info.file_size - data_start} bytes of data", file=file, keypath=key)
+    if real_dtype is not None and not _dtypes.is_known(real_dtype):
+        raise FormatError(f"{METADATA_MEMBER} names dtype {real_dtype!r}, which is not a numeric dtype",
+                          file=file, keypath=key)
+    if dtype.kind != "V" and not _dtypes.is_known(header.dtype_name):
+        raise _NotNumbers(f"an array of {dtype} ({'text' if dtype.kind in 'US' else 'not numbers'}), which "
+                          "treecli does not read")
     name = real_dtype or header.dtype_name
     if real_dtype and _dtypes.itemsize(real_dtype) != dtype.itemsize:
         raise FormatError(f"{METADATA_MEMBER} says {real_dtype}, but the member stores {dtype.itemsize}-byte items",
@@ -207,6 +222,9 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                                "drop them)", file=str(target), details=unsupported)
         if options.warn:
             options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")
+    if not entries:
+        raise TreecliError("npz output would hold no arrays (a zip without .npy members is no npz treecli "
+                           "reads); write safetensors or msgpack instead", file=str(target))
     real_dtypes = {}
     with open(target, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         writeback = _atomic.Writeback(f)

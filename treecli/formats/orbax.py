@@ -23,6 +23,10 @@ from treecli.formats._base import Checkpoint, Origin, WriteOptions
 from treecli.formats._filedata import read_text, refuse_special
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
+# The layout before _METADATA: the tree in a Flax msgpack file, arrays stored apart
+# given as "PLACEHOLDER://NAME" (orbax-checkpoint still restores it).
+_AGGREGATE = "checkpoint"
+_PLACEHOLDER = "PLACEHOLDER://"
 _MEMORY_FACTOR = 4
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
@@ -35,7 +39,8 @@ class _Format:
     def sniff(self, path: Path) -> str | None:
         if not path.is_dir():
             return "not a directory"
-        if (path / "_METADATA").is_file() or (path / "_CHECKPOINT_METADATA").is_file() or _steps(path)[0]:
+        if any((path / name).is_file() for name in ("_METADATA", "_CHECKPOINT_METADATA", _AGGREGATE)) \
+                or _steps(path)[0]:
             return None
         return "no _METADATA, _CHECKPOINT_METADATA or step directories"
 
@@ -52,7 +57,7 @@ class _Format:
         if not _committed(path):
             raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
                               "_CHECKPOINT_METADATA (the save did not finish)", file=str(path))
-        if (path / "_METADATA").is_file():
+        if (path / "_METADATA").is_file() or (path / _AGGREGATE).is_file():
             checkpoint = Checkpoint(tree=None, format="orbax", file=str(path), origin=Origin("directory", path, [path]))
             checkpoint.tree = _open_pytree(path, checkpoint)
             return checkpoint
@@ -72,24 +77,32 @@ FORMAT = _Format()
 # --- layout ---------------------------------------------------------------------------------
 
 
-def _steps(root: Path) -> tuple[list[int], list[str]]:
-    """Committed step numbers under a CheckpointManager root, and the unfinished ones."""
-    steps, pending = [], []
+# A step directory as CheckpointManager names it: the number, zero-padded with
+# step_format_fixed_length ("00000100"), after a step_prefix ("checkpoint_100", PaxML).
+_STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")
+
+
+def _steps(root: Path) -> tuple[dict[int, str], list[str]]:
+    """Committed steps under a CheckpointManager root (step -> directory name), and the
+    names of the unfinished ones."""
+    steps: dict[int, str] = {}
+    pending = []
     try:
-        entries = list(root.iterdir())
+        entries = sorted(root.iterdir())
     except OSError:
-        return [], []
+        return {}, []
     for entry in entries:
         if not entry.is_dir():
             continue
+        match = _STEP_NAME.fullmatch(entry.name)
         if _TMP_MARK in entry.name:
             pending.append(entry.name)
-        elif entry.name.isdigit() and (entry / "_CHECKPOINT_METADATA").is_file():
+        elif match and (entry / "_CHECKPOINT_METADATA").is_file():
             if _committed(entry):
-                steps.append(int(entry.name))
+                steps.setdefault(int(match.group(1)), entry.name)
             else:
                 pending.append(entry.name)
-    return sorted(steps), sorted(pending)
+    return dict(sorted(steps.items())), pending
 
 
 def _committed(directory: Path) -> bool:
@@ -103,14 +116,14 @@ def _committed(directory: Path) -> bool:
     return isinstance(metadata, dict) and bool(metadata.get("commit_timestamp_nsecs"))
 
 
-def _open_manager_root(root: Path, steps: list[int], pending: list[str], step: int | None) -> Checkpoint:
-    chosen = steps[-1] if step is None else step
+def _open_manager_root(root: Path, steps: dict[int, str], pending: list[str], step: int | None) -> Checkpoint:
+    chosen = max(steps) if step is None else step
     if chosen not in steps:
         raise UsageError(f"no committed step {chosen}; steps: {', '.join(map(str, steps))}", file=str(root))
-    checkpoint = _open_step(root / str(chosen))
+    checkpoint = _open_step(root / steps[chosen])
     checkpoint.file = str(root)
     checkpoint.origin = Origin("step", root, [root])
-    checkpoint.info = {"steps": steps, "step": chosen, **checkpoint.info}
+    checkpoint.info = {"steps": list(steps), "step": chosen, **checkpoint.info}
     if pending:
         checkpoint.warnings.append(f"ignoring unfinished step directories: {', '.join(pending)}")
     return checkpoint
@@ -126,7 +139,7 @@ def _open_step(step_dir: Path) -> Checkpoint:
         raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=str(step_dir))
     checkpoint = Checkpoint(tree={}, format="orbax", file=str(step_dir), origin=Origin("step", step_dir, [step_dir]))
     for item in sorted(p for p in step_dir.iterdir() if p.is_dir()):
-        if (item / "_METADATA").is_file():
+        if (item / "_METADATA").is_file() or (item / _AGGREGATE).is_file():
             checkpoint.tree[item.name] = _open_pytree(item, checkpoint)
         elif (item / "metadata").is_file():  # JsonSave writes ITEM/metadata
             checkpoint.tree[item.name] = _read_json(item / "metadata")
@@ -166,6 +179,8 @@ def _refuse_escaping_symlinks(root: Path) -> None:
 
 
 def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
+    if not (directory / "_METADATA").is_file():
+        return _open_aggregate(directory)
     metadata = _read_json(directory / "_METADATA")
     tree_metadata = metadata.get("tree_metadata") if isinstance(metadata, dict) else None
     if not isinstance(tree_metadata, dict):
@@ -185,7 +200,8 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
                               f"({_tree.MAX_DEPTH})", file=str(directory))
         entries.append((keypath, value_type, value.get("write_shape")))
     arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
-    stores = _open_arrays(directory, metadata, [kp for kp, _ in arrays])
+    stores = _open_arrays(directory, {kp: ".".join(str(k) for k in kp) for kp, _ in arrays},
+                          use_ocdbt=metadata.get("use_ocdbt", True), use_zarr3=bool(metadata.get("use_zarr3")))
     items = []
     for keypath, kind, write_shape in entries:
         name = ".".join(str(k) for k in keypath)
@@ -224,16 +240,31 @@ def _build(items: list[tuple[tuple, Any]]) -> Any:
     return lists(_tree.unflatten(items))
 
 
-def _open_arrays(directory: Path, metadata: dict, keypaths: list[tuple]) -> dict[tuple, Any]:
-    """Open every array's tensorstore (metadata only), all at once."""
+def _open_aggregate(directory: Path) -> Any:
+    """The layout before ``_METADATA``: the tree from the msgpack aggregate file, each
+    placeholder replaced by its array (stored with or without OCDBT, zarr or zarr3)."""
+    from treecli.formats import msgpack as msgpack_format
+
+    with msgpack_format.FORMAT.open(directory / _AGGREGATE) as aggregate:
+        items = _tree.flatten(aggregate.tree)
+    names = {kp: x[len(_PLACEHOLDER):] for kp, x in items if isinstance(x, str) and x.startswith(_PLACEHOLDER)}
+    use_ocdbt = (directory / "manifest.ocdbt").is_file()
+    use_zarr3 = any((directory / name / "zarr.json").is_file() for name in names.values())
+    stores = _open_arrays(directory, names, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+    return _tree.unflatten([(kp, OrbaxLeaf(stores[kp], str(directory), names[kp]) if kp in names else x)
+                            for kp, x in items], template=aggregate.tree)
+
+
+def _open_arrays(directory: Path, names: dict[tuple, str], *, use_ocdbt: bool, use_zarr3: bool) -> dict[tuple, Any]:
+    """Open every array's tensorstore (metadata only), all at once; ``names`` maps each
+    key path to the name its array is stored under."""
     import tensorstore as ts
 
-    driver = "zarr3" if metadata.get("use_zarr3") else "zarr"
+    driver = "zarr3" if use_zarr3 else "zarr"
     base = f"file://{os.path.abspath(directory)}"
     futures = {}
-    for keypath in keypaths:
-        name = ".".join(str(k) for k in keypath)
-        if metadata.get("use_ocdbt", True):
+    for keypath, name in names.items():
+        if use_ocdbt:
             kvstore = {"driver": "ocdbt", "base": base, "path": name}
         else:
             kvstore = {"driver": "file", "path": _inside(directory, name, keypath) + "/"}
