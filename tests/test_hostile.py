@@ -365,3 +365,95 @@ def test_treecli_npz_metadata_naming_a_non_numeric_dtype_is_refused(tmp_path, dt
     with zipfile.ZipFile(path, "a") as z:
         z.writestr("__treecli__.json", json.dumps({"dtypes": {"w": dtype}}))
     assert_clean_error(run_cli("show", path), "not a numeric dtype")
+
+
+# --- numbers ---------------------------------------------------------------------------------------
+
+
+def test_huge_weights_are_normalized_without_overflow(tmp_path):
+    from safetensors.numpy import load_file
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": np.full(3, 2.0, np.float32)}, str(a))
+    save_file({"w": np.full(3, 4.0, np.float32)}, str(b))
+    result = run_cli("average", a, b, "--weights", "1e308,1e308", "-o", tmp_path / "o.safetensors")
+    assert result.code == 0, result.stderr
+    assert load_file(str(tmp_path / "o.safetensors"))["w"].tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("factor", ["inf", "-inf", "nan", "1e999"])
+def test_a_non_finite_scale_is_refused(tmp_path, factor):
+    path = tmp_path / "a.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(path))
+    assert_clean_error(run_cli("edit", path, "--scale", f"w={factor}", "-o", tmp_path / "o.safetensors"), "finite")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_set_from_an_npz_is_a_clean_error(tmp_path):
+    path = tmp_path / "a.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(path))
+    np.savez(tmp_path / "v.npz", w=np.zeros(3, np.float32))
+    result = run_cli("edit", path, "--set", f"w=@{tmp_path / 'v.npz'}", "-o", tmp_path / "o.safetensors")
+    assert_clean_error(result, "npz")
+
+
+# --- I/O faults named right ------------------------------------------------------------------------
+
+
+def test_eio_while_reading_an_input_names_the_input_and_the_read(tmp_path, monkeypatch):
+    import errno
+
+    src = tmp_path / "in.safetensors"
+    save_file({"w": np.ones(1 << 16, np.float32)}, str(src))
+    real = os.preadv
+
+    def failing(fd, buffers, offset, *rest):
+        if os.path.samestat(os.fstat(fd), os.stat(src)):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    out = tmp_path / "out.npz"
+    result = run_cli("convert", src, out)
+    assert_clean_error(result, str(src), "cannot read", "Input/output error")
+    assert str(out) not in result.stderr.splitlines()[0]
+    assert not out.exists()
+
+
+def _into_a_closed_pipe(*args, env=None):
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away before treecli wrote anything
+    try:
+        proc = subprocess.run([sys.executable, "-m", "treecli", *map(str, args)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    finally:
+        os.close(write_end)
+    return proc
+
+
+def test_a_closed_pipe_never_turns_into_a_verdict(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({f"w{i}": np.full(3, i, np.float32) for i in range(200)}, str(a))
+    save_file({f"w{i}": np.full(3, i + 1, np.float32) for i in range(200)}, str(b))
+    assert _into_a_closed_pipe("diff", a, b).returncode == 1
+    assert _into_a_closed_pipe("diff", a, a).returncode == 0
+    proc = _into_a_closed_pipe("get", a, "w3")
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_an_ascii_only_stdout_never_crashes(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.safetensors"
+    save_file({"caf\u00e9.w": np.ones(2, np.float32), "plain": np.zeros(1, np.float32)}, str(path))
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "LANG": "C", "LC_ALL": "C"}
+    for args in (["show", path], ["show", path, "--stats"], ["get", path, "plain"], ["show", path, "--json"]):
+        proc = subprocess.run([sys.executable, "-m", "treecli", *map(str, args)], capture_output=True,
+                              env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert b"Traceback" not in proc.stderr
+        proc.stdout.decode("ascii")

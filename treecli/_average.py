@@ -105,8 +105,15 @@ def average(
         raise UsageError(f"{len(weights)} weights for {len(trees)} inputs")
     if non_float not in ("error", "first"):
         raise UsageError(f"non_float must be 'error' or 'first', not {non_float!r}")
+    if not all(math.isfinite(w) for w in weights):
+        raise UsageError(f"weights {weights} are not all finite numbers")
     if normalize:
-        total = sum(weights)
+        try:
+            total = math.fsum(weights)
+        except OverflowError:  # 1e308 + 1e308: scaled by the largest first, never inf (and zeros)
+            largest = max(abs(w) for w in weights)
+            weights = [w / largest for w in weights]
+            total = math.fsum(weights)
         if total == 0:
             raise UsageError("the weights sum to 0 and cannot be normalized; use --no-normalize for task arithmetic")
         weights = [w / total for w in weights]

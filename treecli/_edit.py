@@ -195,6 +195,10 @@ def _from_npy(path: Path, old, allow_reshape, keypath, report):
         raise UsageError("no such file", file=str(path), keypath=keypath) from None
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot read it as a .npy array: {e}", file=str(path), keypath=keypath) from None
+    if not isinstance(array, np.ndarray):  # an .npz archive: many arrays, not one
+        array.close()
+        raise UsageError("is an .npz archive, not one .npy array; take the leaf out first: treecli get FILE KEY "
+                         "-o leaf.npy", file=str(path), keypath=keypath)
     if old is None or not _leaf.is_array(old):
         return _leaf.InMemoryLeaf(array)
     old_leaf = _leaf.as_leaf(old)
@@ -252,6 +256,8 @@ def _scale(leaves, text, what, report):
 
     pattern_text, factor_text = _split(text, "--scale", "PATTERN=FACTOR")
     factor = _parse_number(factor_text, f"--scale {text!r}")
+    if not math.isfinite(factor):
+        raise UsageError(f"--scale {text!r}: the factor must be a finite number")
     for keypath in _targets(leaves, pattern_text, "--scale"):
         source = _leaf.as_leaf(leaves[keypath])
 

@@ -8,7 +8,6 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ import threading
 import typer
 
 from treecli import _gc
+from treecli.cli._status import ExitStatus
 from treecli.cli.average import average
 from treecli.cli.convert import convert
 from treecli.cli.diff import diff
@@ -62,16 +62,6 @@ app.command()(convert)
 app.command()(get)
 
 
-class ExitStatus(enum.IntEnum):
-    """What treecli's exit code says (README, "Exit codes")."""
-
-    OK = 0
-    DIFFERENCES = 1  # diff found some
-    ERROR = 2  # nothing was written
-    NOT_DURABLE = 3  # the output is in place, but syncing its directory failed
-    INTERRUPTED = 130  # Ctrl-C; SIGTERM and SIGHUP exit 128 + their number
-
-
 class _Terminated(BaseException):
     """SIGTERM (a scheduler's preemption) or SIGHUP (the terminal went away), raised in
     the main thread like KeyboardInterrupt so that every temporary is cleaned up."""
@@ -88,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     # A command runs once and exits: Python's cyclic collector would only walk the
     # millions of long-lived objects of a big header again and again (half of
     # `show`'s time on a 200k-tensor file). Reference counting frees as usual.
+    for stream in (sys.stdout, sys.stderr):
+        # A name from a file on an ASCII-only terminal (LANG=C) is escaped, never a crash.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     with _gc.paused(), _terminating_signals_raise():
         try:
             return _run_app(args, debug)
@@ -120,19 +114,16 @@ def _run_app(args: list[str], debug: bool) -> int:
 
     try:
         result = app(args=args, prog_name="treecli", standalone_mode=False)
-        if result == 130:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
+        if result == ExitStatus.INTERRUPTED:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
             sys.stderr.write("treecli: interrupted\n")
-        return result if isinstance(result, int) else 0
+        return result if isinstance(result, int) else ExitStatus.OK
     except typer.Exit as e:
         return e.exit_code
     except SystemExit as e:  # completion scripts and --help exit this way
-        return e.code if isinstance(e.code, int) else 0
-    except KeyboardInterrupt:
+        return e.code if isinstance(e.code, int) else ExitStatus.OK
+    except (KeyboardInterrupt, typer.Abort):
         sys.stderr.write("treecli: interrupted\n")
-        return 130
-    except typer.Abort:
-        sys.stderr.write("treecli: interrupted\n")
-        return 130
+        return ExitStatus.INTERRUPTED
     except TreecliError as e:
         if debug:
             raise
@@ -142,14 +133,14 @@ def _run_app(args: list[str], debug: bool) -> int:
         if debug:
             raise
         _print_error(e.format_message())
-        return getattr(e, "exit_code", 2) or 2
-    except (BrokenPipeError, OutputClosed):  # `treecli show big | head`
-        return 0
+        return ExitStatus.ERROR
+    except (BrokenPipeError, OutputClosed):  # `treecli show big | head`: diff keeps its verdict itself
+        return ExitStatus.OK
     except Exception as e:
         if debug:
             raise
         _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
-        return 2
+        return ExitStatus.ERROR
 
 
 def _print_error(headline: str, details: list[str] = ()) -> None:

@@ -9,7 +9,8 @@ import typer
 
 from treecli.cli import _options as opt
 from treecli.cli._common import open_input
-from treecli.cli._output import Output
+from treecli.cli._output import Output, OutputClosed
+from treecli.cli._status import ExitStatus
 
 
 def diff(
@@ -34,13 +35,23 @@ def diff(
         treecli diff model.safetensors converted_dir
         treecli diff run1/step_100 run2/step_100 --atol 1e-6 --where 'params.**'
     """
-    from treecli import _diff, _render
+    from treecli import _diff
 
     out = Output(quiet=quiet)
     with open_input(out, a) as left, open_input(out, b) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance)
+    try:
+        _print(out, result, json)
+    except OutputClosed:  # the reader went away: the verdict stands, it never turns into "equal"
+        pass
+    return ExitStatus.OK if result.equal else ExitStatus.DIFFERENCES
+
+
+def _print(out: Output, result, json: bool) -> None:
+    from treecli import _render
+
     if json:
         out.json(result.as_json())
     elif result.equal:
@@ -53,7 +64,6 @@ def diff(
             rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
                          "values differ" if same else "", _number(c.max_abs_diff), _number(c.max_rel_diff)])
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
-    return 0 if result.equal else 1
 
 
 def _leaves(tree):

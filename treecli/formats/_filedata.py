@@ -17,7 +17,7 @@ import threading
 from typing import Any, BinaryIO, Iterator
 
 from treecli import _dtypes, _index
-from treecli._errors import FormatError
+from treecli._errors import FormatError, TreecliError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
 
 
@@ -84,7 +84,11 @@ class FileReader:
         with _POOL.descriptor(self) as fd:
             done = 0
             while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
+                try:
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                except OSError as e:  # EIO from a failing disk: the input's fault, named as such
+                    raise TreecliError(f"cannot read {len(view)} bytes at byte {offset + done}: "
+                                       f"{e.strerror or e}", file=self.path) from e
                 if n == 0:
                     raise FormatError(
                         f"file ended at byte {offset + done} while reading {len(view)} bytes at {offset}"
