@@ -457,3 +457,32 @@ def test_an_ascii_only_stdout_never_crashes(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert b"Traceback" not in proc.stderr
         proc.stdout.decode("ascii")
+
+
+PEAK_RSS = ("import resource, sys; from treecli.cli import main; code = main(sys.argv[1:]); "
+            "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+
+
+def run_measured(*args):
+    """treecli in a fresh process; returns (exit code, stderr without the measurement, peak RSS in bytes)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stderr.splitlines()
+    peak = int(lines[-1].split()[1]) * 1024
+    return proc.returncode, "\n".join(lines[:-1]), peak
+
+
+@pytest.mark.parametrize("unit", [b"[],", b"{},", b'"a",', b"0,"])
+def test_a_99_mb_header_bomb_is_refused_under_1_gib(tmp_path, unit):
+    size = 99_000_000
+    body = b'{"a":{"dtype":"F32","shape":[' + unit * ((size - 60) // len(unit))
+    body = body[:-1] + b'],"data_offsets":[0,0]}}'
+    path = tmp_path / "bomb.safetensors"
+    path.write_bytes(len(body).to_bytes(8, "little") + body)
+    code, stderr, peak = run_measured("show", path)
+    path.unlink()
+    assert code == 2 and stderr.startswith("treecli: error: ") and "Traceback" not in stderr, stderr
+    assert peak < 1 << 30, peak
