@@ -486,3 +486,15 @@ def test_a_99_mb_header_bomb_is_refused_under_1_gib(tmp_path, unit):
     path.unlink()
     assert code == 2 and stderr.startswith("treecli: error: ") and "Traceback" not in stderr, stderr
     assert peak < 1 << 30, peak
+
+
+def test_a_msgpack_of_400k_tiny_arrays_stays_small_in_memory(tmp_path):
+    import msgpack
+
+    ext = msgpack.ExtType(1, msgpack.packb(((1,), "float32", b"\0\0\0\0")))
+    path = tmp_path / "tiny.msgpack"
+    path.write_bytes(msgpack.packb({f"{i}": ext for i in range(400_000)}))
+    assert path.stat().st_size < 11_000_000
+    code, stderr, peak = run_measured("get", path, "123")
+    assert code == 0, stderr
+    assert peak < 340 << 20, peak  # 0.41 GB when every tiny array was a NumPy array in a leaf object

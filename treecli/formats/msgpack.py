@@ -11,6 +11,7 @@ itemsize) and nothing is ever unpickled.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -59,6 +60,7 @@ def _open(path: Path) -> Checkpoint:
     import numpy as np
 
     file = str(path)
+    shapes: dict[tuple, tuple] = {}
 
     def ext_hook(code: int, data: bytes) -> Any:
         try:
@@ -71,8 +73,10 @@ def _open(path: Path) -> Checkpoint:
                 if not isinstance(buffer, bytes) or len(buffer) != math.prod(shape) * dtype.itemsize:
                     raise ValueError(f"shape {list(shape)} of {dtype_name} needs "
                                      f"{math.prod(shape) * dtype.itemsize} bytes, the buffer has {len(buffer)}")
-                array = np.frombuffer(buffer, dtype).reshape(shape)
-                return _leaf.InMemoryLeaf(array) if code == _NDARRAY else array[()]
+                if code == _NDARRAY:  # one shared shape tuple and dtype name for a million tiny arrays
+                    return _BytesLeaf(buffer, shapes.setdefault(shape, shape), dtype.name if dtype_name ==
+                                      dtype.name else dtype_name)
+                return np.frombuffer(buffer, dtype).reshape(shape)[()]
             if code == _COMPLEX:
                 real, imag = msgpack.unpackb(data, raw=False)
                 return complex(real, imag)
@@ -100,12 +104,30 @@ class _BadExtension(Exception):
     pass
 
 
+@functools.lru_cache(maxsize=64)
 def _known_dtype(name: Any):
     if not isinstance(name, str):
         raise ValueError(f"dtype {name!r} is not a name")
     if not _dtypes.is_known(name):
         raise ValueError(f"dtype {name!r} is not a numeric dtype treecli reads (objects are never unpickled)")
     return _dtypes.numpy_dtype(name)
+
+
+class _BytesLeaf(_leaf.ArrayLeaf):
+    """An array of the file, kept as the bytes msgpack gave: a few dozen bytes of Python
+    object per leaf, so that a file of a million tiny arrays stays small in memory."""
+
+    __slots__ = ("_buffer", "shape", "dtype_name")
+
+    def __init__(self, buffer: bytes, shape: tuple[int, ...], dtype_name: str):
+        self._buffer = buffer
+        self.shape = shape
+        self.dtype_name = dtype_name
+
+    def read_flat(self, start: int, stop: int):
+        import numpy as np
+
+        return np.frombuffer(self._buffer, self.dtype)[start:stop]
 
 
 def _checked(node: Any, keypath: tuple, file: str) -> Any:
