@@ -500,3 +500,20 @@ def test_a_msgpack_of_400k_tiny_arrays_stays_small_in_memory(tmp_path):
     code, stderr, peak = run_measured("get", path, "123")
     assert code == 0, stderr
     assert peak < 340 << 20, peak  # 0.41 GB when every tiny array was a NumPy array in a leaf object
+
+
+def test_a_deflated_npz_member_is_streamed_not_inflated_whole(tmp_path):
+    src = tmp_path / "z.npz"
+    np.savez_compressed(src, w=np.zeros(1 << 26, np.float32), big_endian=np.arange(10, dtype=">i4"),
+                        fortran=np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)))
+    assert src.stat().st_size < 1 << 20  # 256 MiB of zeros, deflated
+    out = tmp_path / "o.safetensors"
+    code, stderr, peak = run_measured("convert", src, out)
+    assert code == 0, stderr
+    assert peak < 180 << 20, peak  # 0.6 GB when the member was inflated whole
+    from safetensors.numpy import load_file
+
+    loaded = load_file(str(out))
+    assert loaded["big_endian"].tolist() == list(range(10))
+    assert loaded["fortran"].tolist() == np.arange(12).reshape(3, 4).tolist()
+    assert loaded["w"].shape == (1 << 26,) and not loaded["w"].any()

@@ -15,15 +15,17 @@ restores them. A ``V`` member from elsewhere is shown as such, with a warning.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import struct
+import threading
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from treecli import _atomic, _dtypes, _leaf
+from treecli import _atomic, _dtypes, _leaf, _memory
 from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
@@ -163,7 +165,9 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
     native = dtype.byteorder in ("=", "|", "<")
     if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
         return FileArrayLeaf(reader, _data_offset(path, info) + data_start, tuple(shape), name)
-    return _WholeMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, fortran, key)
+    if fortran:
+        return _FortranMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)
+    return _StreamedMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)
 
 
 def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
@@ -177,30 +181,102 @@ def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-class _WholeMemberLeaf(_leaf.WholeLeaf):
-    """A compressed, Fortran-order or big-endian member: decompressed (and reordered) whole."""
+@contextlib.contextmanager
+def _member_stream(reader: FileReader, info: zipfile.ZipInfo, key: str) -> Iterator[Any]:
+    """A member's decompressed bytes as a stream, from the file whose directory was read."""
+    try:
+        with os.fdopen(reader.open_checked(), "rb") as f, zipfile.ZipFile(f) as z, z.open(info) as stream:
+            yield stream
+    except _ZIP_ERRORS as e:
+        raise FormatError(f"cannot decompress the member: {e}", file=reader.path, keypath=key) from None
+
+
+class _StreamedMemberLeaf(_leaf.ArrayLeaf):
+    """A compressed (or big-endian) C-order member, decompressed as a stream: chunks read
+    in order cost one chunk of memory, however large the member inflates (a 3 MB npz
+    may honestly hold a 3 GiB array); reading backwards starts the stream again."""
 
     def __init__(self, reader: FileReader, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype,
-                 name: str, fortran: bool, key: str):
+                 name: str, key: str):
         self._reader, self._info, self._start = reader, info, data_start
-        self._stored, self._fortran, self._key = stored_dtype, fortran, key
+        self._stored, self._key = stored_dtype, key
+        self.shape = shape
+        self.dtype_name = name
+        self._lock = threading.Lock()
+        self._open: contextlib.ExitStack | None = None
+        self._stream = None
+        self._position = 0  # the element the stream is at
+
+    def read_flat(self, start: int, stop: int):
+        import numpy as np
+
+        with self._lock:
+            if self._stream is None or start < self._position:
+                self._restart()
+            self._read_bytes((start - self._position) * self._stored.itemsize, keep=False)
+            raw = self._read_bytes((stop - start) * self._stored.itemsize, keep=True)
+            self._position = stop
+            if stop >= self.size:
+                self._close()
+        array = np.frombuffer(raw, self._stored)
+        if self._stored.byteorder == ">":
+            array = array.astype(self._stored.newbyteorder("="))
+        return array.view(self.dtype)
+
+    def _restart(self) -> None:
+        self._close()
+        self._open = contextlib.ExitStack()
+        self._stream = self._open.enter_context(_member_stream(self._reader, self._info, self._key))
+        self._position = 0
+        self._read_bytes(self._start, keep=False)
+
+    def _read_bytes(self, n: int, keep: bool) -> bytes:
+        parts = []
+        while n > 0:
+            try:
+                block = self._stream.read(min(n, _leaf.CHUNK_BYTES))
+            except _ZIP_ERRORS as e:
+                self._close()
+                raise FormatError(f"cannot decompress the member: {e}", file=self._reader.path,
+                                  keypath=self._key) from None
+            if not block:
+                self._close()
+                raise FormatError("the member ends before its declared shape", file=self._reader.path,
+                                  keypath=self._key)
+            n -= len(block)
+            if keep:
+                parts.append(block)
+        return b"".join(parts)
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+        self._open = self._stream = None
+
+
+class _FortranMemberLeaf(_leaf.WholeLeaf):
+    """A Fortran-order member: reordered to C order whole, so it must fit in memory."""
+
+    def __init__(self, reader: FileReader, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype,
+                 name: str, key: str):
+        self._reader, self._info, self._start = reader, info, data_start
+        self._stored, self._key = stored_dtype, key
         self.shape = shape
         self.dtype_name = name
 
     def load(self):
         import numpy as np
 
-        try:
-            with os.fdopen(self._reader.open_checked(), "rb") as f, zipfile.ZipFile(f) as z, \
-                    z.open(self._info) as stream:
-                stream.read(self._start)
-                raw = stream.read(self._info.file_size - self._start)
-        except _ZIP_ERRORS as e:
-            raise FormatError(f"cannot decompress the member: {e}", file=self._reader.path, keypath=self._key) from None
-        array = np.frombuffer(raw, self._stored)
-        if self._fortran:
-            array = array.reshape(self.shape[::-1]).T
-        array = np.ascontiguousarray(array.reshape(self.shape)).astype(self._stored.newbyteorder("="))
+        available = _memory.available()
+        if available is not None and 3 * self.nbytes > available:
+            raise FormatError(f"a Fortran-order member of {self.nbytes / 2**30:.1f} GiB is reordered in memory, "
+                              f"but {available / 2**30:.1f} GiB is available", file=self._reader.path,
+                              keypath=self._key)
+        with _member_stream(self._reader, self._info, self._key) as stream:
+            stream.read(self._start)
+            raw = stream.read(self._info.file_size - self._start)
+        array = np.frombuffer(raw, self._stored).reshape(self.shape[::-1]).T
+        array = np.ascontiguousarray(array).astype(self._stored.newbyteorder("="), copy=False)
         return array.reshape(-1).view(self.dtype)
 
 

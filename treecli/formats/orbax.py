@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from treecli import _leaf, _tree
+from treecli import _leaf, _memory, _tree
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
@@ -327,7 +327,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
 
     tree = _storable(tree, str(target), options)
     needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
-    available = _available_memory()
+    available = _memory.available()
     # Measured: writing 0.5 GiB peaked at 1.7 GB (our arrays, Orbax's and tensorstore's buffers, jax).
     if available is not None and needed * _MEMORY_FACTOR > available:
         raise TreecliError(f"Orbax's writer needs the whole output in memory, about {_MEMORY_FACTOR}x its "
@@ -386,14 +386,3 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
         options.warn(f"dropped {len(listed)} leaves Orbax cannot hold: {', '.join(listed[:20])}")
     dropped = {kp for kp, _ in unsupported}
     return _tree.unflatten([(kp, x) for kp, x in items if kp not in dropped], template=tree)
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
