@@ -175,9 +175,9 @@ def test_show_of_orbax_never_imports_jax(standard):
 
 
 def test_orbax_output_that_would_not_fit_in_memory_is_refused(cli, tmp_path, monkeypatch):
-    from treecli.formats import orbax
+    from treecli import _memory
 
-    monkeypatch.setattr(orbax, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(_memory, "available", lambda: 1000)
     path = tmp_path / "in.safetensors"
     from safetensors.numpy import save_file
 
