@@ -517,3 +517,25 @@ def test_a_deflated_npz_member_is_streamed_not_inflated_whole(tmp_path):
     assert loaded["big_endian"].tolist() == list(range(10))
     assert loaded["fortran"].tolist() == np.arange(12).reshape(3, 4).tolist()
     assert loaded["w"].shape == (1 << 26,) and not loaded["w"].any()
+
+
+def test_an_orbax_array_of_2_pow_37_fill_values_is_refused_not_aborted(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    path = tmp_path / "fill"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(str(path), {"w": np.arange(4, dtype=np.float32)})
+    zarray = json.loads((path / "w" / ".zarray").read_text())
+    zarray["shape"] = zarray["chunks"] = [2**37]
+    (path / "w" / ".zarray").write_text(json.dumps(zarray))
+    for chunk in (path / "w").iterdir():
+        if not chunk.name.startswith("."):
+            chunk.unlink()  # no chunk stored: every element is the fill value
+    metadata = json.loads((path / "_METADATA").read_text())
+    for entry in metadata["tree_metadata"].values():
+        entry["value_metadata"]["write_shape"] = [2**37]
+    (path / "_METADATA").write_text(json.dumps(metadata))
+    out = tmp_path / "out"
+    out.mkdir()
+    code, stderr, peak = run_measured("convert", path, out / "o.safetensors")
+    assert code == 2 and stderr.startswith("treecli: error: ") and "GiB" in stderr, stderr
+    assert list(out.iterdir()) == []
+    assert peak < 1 << 30

@@ -303,6 +303,13 @@ class OrbaxLeaf(_leaf.WholeLeaf):
         self.dtype_name = store.dtype.numpy_dtype.name
 
     def load(self):
+        # Checked first: a 2 KB checkpoint may declare 2**37 elements of fill value, and
+        # tensorstore allocating them aborts the whole process (std::bad_alloc).
+        available = _memory.available()
+        if available is not None and 2 * self.nbytes > available:
+            raise FormatError(f"the array is {self.nbytes / 2**30:.1f} GiB, read whole from Orbax, but "
+                              f"{available / 2**30:.1f} GiB of memory is available", file=self._file,
+                              keypath=self._name)
         try:
             return self._store.read().result().reshape(-1)
         except Exception as e:  # tensorstore raises ValueError and friends with long messages
