@@ -539,3 +539,16 @@ def test_an_orbax_array_of_2_pow_37_fill_values_is_refused_not_aborted(tmp_path)
     assert code == 2 and stderr.startswith("treecli: error: ") and "GiB" in stderr, stderr
     assert list(out.iterdir()) == []
     assert peak < 1 << 30
+
+
+def test_a_zip_with_data_before_it_is_no_npz_as_np_load_says(tmp_path):
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, w=np.ones(2, np.float32))
+    content = b"#!/bin/sh\n" + buffer.getvalue()  # zipfile reads it; np.load does not
+    with pytest.raises(ValueError):
+        np.load(io.BytesIO(content), allow_pickle=False)
+    path = tmp_path / "x.npz"
+    path.write_bytes(content)
+    assert_clean_error(run_cli("show", path), "PK")

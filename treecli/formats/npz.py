@@ -75,6 +75,9 @@ def _open(path: Path) -> Checkpoint:
     file = str(path)
     with open_regular(path) as f:
         file_identity = identity(os.fstat(f.fileno()))  # members are read from this same file later
+        if f.read(4) != b"PK\x03\x04":  # what np.load looks for: a zip with data before it is no npz
+            raise FormatError("not an npz: it does not start with a zip member (PK\\x03\\x04)", file=file)
+        f.seek(0)
         try:
             archive = zipfile.ZipFile(f)
         except _ZIP_ERRORS as e:
