@@ -114,7 +114,7 @@ def test_integer_step_counters_are_copied_exactly_or_refused_when_they_differ():
     assert out["flag"].tolist() == [True] and out["lr"] == 0.1 and out["name"] == "run"
     trees[1] = dict(trees[1], step=np.asarray(200, np.int64), name="other")
     with pytest.raises(StructureError) as info:
-        average(trees, names=["a", "b", "c"])
+        average(trees, names=["a", "b", "c"], non_float="error")
     assert info.value.details == ["name: 'run' in a; 'other' in b; 'run' in c",
                                   "step: 1099511627776 in a; 200 in b; 1099511627776 in c"]
     first = materialize(average(trees, non_float="first")[0])

@@ -37,7 +37,9 @@ class AverageReport:
 
     nonfinite_inputs: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (keypath, input) -> [nan, inf]
     nonfinite_outputs: dict[str, int] = field(default_factory=dict)  # keypath -> count
-    copied: list[str] = field(default_factory=list)  # int/bool/non-array leaves copied from the first input
+    copied: list[str] = field(default_factory=list)  # int/bool/non-array leaves copied from one input
+    differing: list[str] = field(default_factory=list)  # those of them that differ between inputs
+    copied_from: str = ""  # the input they came from
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def warnings(self) -> list[str]:
@@ -45,6 +47,13 @@ class AverageReport:
                  for (kp, name), (nan, inf) in self.nonfinite_inputs.items()]
         lines += [f"{kp}: {count} non-finite values in the output" for kp, count in self.nonfinite_outputs.items()]
         return lines
+
+    def notes(self) -> list[str]:
+        if not self.differing:
+            return []
+        shown = ", ".join(self.differing[:8]) + (", ..." if len(self.differing) > 8 else "")
+        return [f"{len(self.differing)} integer, bool or non-array leaves differ between the inputs; copied from "
+                f"{self.copied_from}: {shown}"]
 
 
 def parse_weights(text: str | None, count: int) -> list[float]:
@@ -73,7 +82,7 @@ def average(
     names: list[str] | None = None,
     normalize: bool = True,
     dtype: str | None = None,
-    non_float: str = "error",
+    non_float: str = "last",
 ) -> tuple[Any, AverageReport]:
     """The weighted average of trees with the same key paths, shapes and dtypes.
 
@@ -82,8 +91,12 @@ def average(
         weights: one per tree (default equal); normalized to sum 1 unless ``normalize=False``.
         names: how to call each input in messages (file names).
         dtype: output dtype of float leaves (default: each leaf's own).
-        non_float: ``"error"`` (integer, bool and non-array leaves must be equal)
-            or ``"first"`` (copy them from the first input).
+        non_float: what to do with integer, bool and non-array leaves (step
+            counters, optax counts, a step's JSON items) that differ between
+            inputs: ``"last"`` (the default) copies them from the last input, the
+            newest when averaging the last N steps of a run in order;
+            ``"first"`` from the first; ``"error"`` refuses. The report's
+            ``notes()`` name the leaves copied.
 
     Returns:
         The averaged tree (computed leaves: data is produced when read) and a
@@ -103,8 +116,8 @@ def average(
     weights = [1.0] * len(trees) if weights is None else [float(w) for w in weights]
     if len(weights) != len(trees):
         raise UsageError(f"{len(weights)} weights for {len(trees)} inputs")
-    if non_float not in ("error", "first"):
-        raise UsageError(f"non_float must be 'error' or 'first', not {non_float!r}")
+    if non_float not in ("error", "first", "last"):
+        raise UsageError(f"non_float must be 'last', 'first' or 'error', not {non_float!r}")
     if not all(math.isfinite(w) for w in weights):
         raise UsageError(f"weights {weights} are not all finite numbers")
     if normalize:
@@ -126,7 +139,7 @@ def average(
         raise StructureError(f"the inputs differ in {len(differences)} leaves", details=differences)
 
     convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
-    report = AverageReport()
+    report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
     flats = [dict(_tree.flatten(t)) for t in trees]
     mismatched: list[str] = []
 
@@ -137,16 +150,19 @@ def average(
             leaves = [_leaf.as_leaf(x) for x in leaves]
             if _dtypes.is_float(leaves[0].dtype_name):
                 return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
-        if non_float == "error" and not all(_equal(leaves[0], other) for other in leaves[1:]):
-            mismatched.append(f"{text}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
         report.copied.append(text)
-        return first
+        if all(_equal(leaves[0], other) for other in leaves[1:]):
+            return first
+        if non_float == "error":
+            mismatched.append(f"{text}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
+        report.differing.append(text)
+        return first if non_float == "first" else leaves[-1]
 
     result = _tree.map_leaves(combine, trees[0])
     if mismatched:
         raise StructureError(
             f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be averaged "
-            "(use --non-float first to copy them from the first input)",
+            "(use --non-float last or first to copy them from one input)",
             details=mismatched,
         )
     return result, report

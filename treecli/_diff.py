@@ -64,6 +64,9 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
 
     result = DiffResult()
     keypaths = {text: kp for text, (kp, _) in {**flat_b, **flat_a}.items()}
+    for text, pattern in zip(where, patterns):  # a pattern that matches nothing is no "no differences"
+        if not any(_keypath.covers(pattern, kp) for kp in keypaths.values()):
+            raise _tree.no_match(a if flat_a else b, text)
     order = sorted(keypaths, key=lambda t: tuple(_keypath.natural_sort_key(k) for k in keypaths[t]))
     for text in order:
         if not wanted(keypaths[text]):

@@ -26,9 +26,10 @@ def average(
                                                "scale them to sum 1.")] = False,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype of float leaves (default: each "
                                                  "leaf's own; bf16 stays bf16).", show_default=False)] = None,
-    non_float: Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves (step "
-                                           "counters): 'error' if they differ between inputs, or 'first' to "
-                                           "copy them from the first input.")] = "error",
+    non_float: Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
+                                           "between inputs (step counters, optax counts, JSON items): 'last' "
+                                           "copies the last input's (the newest, listing steps in order), "
+                                           "'first' the first's, 'error' refuses. A note names them.")] = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
@@ -61,5 +62,7 @@ def average(
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)
         write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        for line in report.notes():
+            out.note(line)
         for line in report.warnings():
             out.warn(line)

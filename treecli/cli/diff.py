@@ -21,6 +21,7 @@ def diff(
     atol: Annotated[Optional[float], typer.Option("--atol", help="Compare numerically with this absolute "
                                                   "tolerance (default: exact bytes).", show_default=False)] = None,
     where: opt.WhereOpt = None,
+    step: opt.StepOpt = None,
     json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> int:
@@ -33,12 +34,13 @@ def diff(
 
     \b
         treecli diff model.safetensors converted_dir
-        treecli diff run1/step_100 run2/step_100 --atol 1e-6 --where 'params.**'
+        treecli diff run1/100 run2/100 --atol 1e-6 --where 'state.params.**'
+        treecli diff run1 run2 --step 300 --where 'state.params.**'
     """
     from treecli import _diff
 
     out = Output(quiet=quiet)
-    with open_input(out, a) as left, open_input(out, b) as right:
+    with open_input(out, a, step=step) as left, open_input(out, b, step=step) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance)
