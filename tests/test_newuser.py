@@ -57,3 +57,116 @@ def test_average_of_the_last_steps_takes_the_newest_counters_with_a_note(runs, t
     first = tmp_path / "first"
     assert run_cli("average", run1 / "100", run1 / "200", "-o", first, "--non-float", "first").code == 0
     assert run_cli("get", first, "state.step", "--json").json["value"] == 100
+
+
+# --- output a person reads ---------------------------------------------------------------------
+
+
+def test_bare_treecli_prints_the_normal_help():
+    result = run_cli()
+    assert result.code == 0, result.stderr
+    assert result.stdout.startswith("Usage: treecli") and "Commands" in result.stdout
+    assert result.stderr == ""
+
+
+def test_get_json_spells_nan_and_inf_as_strings_jq_reads(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.array([1.0, np.nan, np.inf, -np.inf], np.float32),
+               "c": np.array([1 + 2j, complex(np.nan, 1)], np.complex64)}, str(path))
+    result = run_cli("get", path, "w", "--json")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["value"] == \
+        [1.0, "nan", "inf", "-inf"]
+    assert run_cli("get", path, "c", "--json").json["value"] == [[1.0, 2.0], ["nan", 1.0]]
+
+
+def test_get_prints_numpy_text_untouched(tmp_path):
+    path = tmp_path / "m.safetensors"
+    data = np.arange(60, dtype=np.float32).reshape(3, 20) * 1000.5
+    save_file({"w": data}, str(path))
+    result = run_cli("get", path, "w")
+    with np.printoptions(threshold=200, edgeitems=3, linewidth=120):
+        expected = np.array2string(data)
+    assert expected in result.stdout
+
+
+def test_debug_is_read_as_the_option_it_is(tmp_path):
+    from treecli._errors import UsageError
+
+    with pytest.raises(UsageError):  # raised through: the traceback is the point of --debug
+        run_cli("--debug", "show", tmp_path / "missing.safetensors")
+    quiet = run_cli("show", tmp_path / "missing.safetensors", "--where", "--debug")
+    assert_clean_error(quiet)  # "--debug" as a value of another option does not switch it on
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["out.h5", "out.npy", "out.pt", "out.bin", "out.json", "out.eqx"])
+def test_an_output_extension_treecli_does_not_write_is_an_error(tmp_path, name):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(src))
+    result = run_cli("convert", src, tmp_path / name)
+    assert_clean_error(result, ".safetensors, .npz, .msgpack")
+    assert not (tmp_path / name).exists()
+
+
+def test_format_contradicting_the_name_is_an_error(tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(src))
+    assert_clean_error(run_cli("convert", src, tmp_path / "o.safetensors", "--format", "npz"), "--format")
+
+
+def test_get_writes_only_npy(tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(src))
+    assert_clean_error(run_cli("get", src, "w", "-o", tmp_path / "w.safetensors"), ".npy")
+    assert not (tmp_path / "w.safetensors").exists()
+    assert run_cli("get", src, "w", "-o", tmp_path / "w.npy").code == 0
+    assert np.load(tmp_path / "w.npy").tolist() == [1, 1]
+
+
+def test_hf_directory_outputs_keep_companion_dirs_and_drop_stale_weights(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "1_Pooling").mkdir(parents=True)
+    (repo / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (repo / "config.json").write_text("{}")
+    (repo / "pytorch_model.bin").write_bytes(b"stale pickle")
+    (repo / "model.pt").write_bytes(b"stale")
+    (repo / "tf_model.h5").write_bytes(b"stale")
+    (repo / ".gitattributes").write_text("x")
+    save_file({"w": np.ones(2, np.float32)}, str(repo / "model.safetensors"))
+    out = tmp_path / "out"
+    result = run_cli("edit", repo, "--scale", "**=2", "-o", out)
+    assert result.code == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["1_Pooling", "config.json", "model.safetensors"]
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+
+
+# --- an honest boundary ----------------------------------------------------------------------------
+
+
+def test_declared_dependencies_are_what_runs():
+    import ast
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    declared = {d.split(">")[0].split("<")[0].split("=")[0].strip().lower().replace("-", "_")
+                for d in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]}
+    imported = set()
+    for path in (root / "treecli").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "treecli"}
+    module_of = {"orbax_checkpoint": "orbax"}
+    # jax and jaxlib run whenever treecli writes or restores through Orbax (orbax imports them).
+    import orbax.checkpoint  # noqa: F401
+
+    assert "jax" in sys.modules and "jaxlib" in sys.modules
+    assert third_party <= {module_of.get(d, d) for d in declared}, third_party
+    assert {module_of.get(d, d) for d in declared} - {"jax", "jaxlib"} <= third_party

@@ -243,7 +243,7 @@ def test_special_files_are_never_replaced(cli, tmp_path, kind):
 
 
 def test_get_never_writes_over_its_input_even_with_force(cli, tmp_path):
-    src = tmp_path / "m.npy.safetensors"
+    src = tmp_path / "weights.npy"  # safetensors bytes: sniffed, whatever the name
     save_file({"w": np.ones(3, np.float32)}, str(src))
     before = src.read_bytes()
     result = cli("get", src, "w", "-o", src, "--force")

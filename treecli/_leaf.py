@@ -19,8 +19,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterator
 
 from treecli import _dtypes
@@ -207,18 +208,53 @@ def _index_array(array: Any, index: Any) -> Any:
     return array if index == () else array[index]
 
 
-_pools: dict[str, ThreadPoolExecutor] = {}
+class _Worker:
+    """One daemon thread that runs submitted calls in order, returning futures.
+
+    Not a ThreadPoolExecutor: its workers are joined when the interpreter exits, and
+    one whose start a Ctrl-C interrupted was never registered to be told to stop, so
+    exit waited on it forever. A daemon thread never holds up exit, for the CLI and
+    for a Python caller of the library alike.
+    """
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"treecli-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():  # cancelled while it waited
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
 
 
-def _pool(name: str) -> ThreadPoolExecutor:
-    if name not in _pools:
-        _pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"treecli-{name}")
-    return _pools[name]
+_pools: dict[str, _Worker] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str) -> _Worker:
+    with _pools_lock:
+        if name not in _pools:
+            _pools[name] = _Worker(name)
+        return _pools[name]
 
 
 def _on_pool_thread(name: str) -> bool:
     """Whether the calling thread is the worker of ``_pool(name)``."""
-    return threading.current_thread().name.startswith(f"treecli-{name}_")
+    worker = _pools.get(name)
+    return worker is not None and threading.current_thread() is worker.thread
 
 
 _spare_buffers: list[Any] = []  # CHUNK_BYTES byte buffers, reused from leaf to leaf

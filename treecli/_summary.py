@@ -147,6 +147,20 @@ def json_value(value: Any) -> Any:
     return repr(value)
 
 
+def json_array(data: Any) -> Any:
+    """An array's values for JSON (nested lists), with the same spelling of NaN and Inf
+    as non-array leaves: strict JSON, which ``jq`` reads."""
+    import numpy as np
+
+    if data.dtype.kind == "V" or _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8: as float64
+        data = data.astype(np.float64)
+    if data.dtype.kind == "c":  # [real, imag] pairs: JSON has no complex numbers
+        return json_array(np.stack([data.real, data.imag], axis=-1))
+    if data.dtype.kind != "f" or np.isfinite(data).all():
+        return data.tolist()
+    return np.vectorize(lambda x: json_value(float(x)), otypes=[object])(data).tolist()
+
+
 def add_stats(root: Node, tree: Any, progress: Callable[[int], None] | None = None) -> None:
     """Stream every array leaf once and attach min / max / mean / std and counts."""
     for row in leaves(root):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from treecli import _diff, _tree
+from treecli import _diff, _leaf, _tree
 from treecli._errors import TreecliError
 from treecli._keypath import format_keypath
 
@@ -25,6 +25,29 @@ def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
     return {separator.join(str(k) for k in kp): leaf for kp, leaf in _tree.flatten(tree)}
 
 
+def _reference_check(written_path: Path) -> list[str]:
+    """A safetensors output must also open with the reference's own parser
+    (``safetensors.safe_open``), naming the tensors treecli's reader found."""
+    from safetensors import safe_open
+
+    from treecli.formats import open_checkpoint
+
+    files = sorted(written_path.glob("*.safetensors")) if written_path.is_dir() else [written_path]
+    names: set[str] = set()
+    problems = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as reader:
+                names.update(reader.keys())
+        except Exception as e:  # the reference's own error types
+            problems.append(f"{file.name}: the safetensors reference cannot open it: {e}")
+    with open_checkpoint(written_path, "safetensors") as written:
+        ours = {name for name, leaf in stored_names(written.tree, ".").items() if _leaf.is_array(leaf)}
+    if not problems and names != ours:
+        problems.append(f"the safetensors reference reads {len(names)} tensors, treecli {len(ours)}")
+    return problems
+
+
 def verifier(tree: Any, fmt: Any, dropped_allowed: bool) -> Callable[[Path], None]:
     """A check of a finished temporary against ``tree``, raising on any difference."""
 
@@ -33,7 +56,8 @@ def verifier(tree: Any, fmt: Any, dropped_allowed: bool) -> Callable[[Path], Non
 
         with open_checkpoint(written_path, fmt.name) as written:
             result = _diff.diff(stored_names(tree, fmt.separator), stored_names(written.tree, fmt.separator))
-        problems = [f"only in the output: {k}" for k in result.only_in_b]
+        problems = _reference_check(written_path) if fmt.name == "safetensors" else []
+        problems += [f"only in the output: {k}" for k in result.only_in_b]
         problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]
         problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in result.changed]
         if problems:

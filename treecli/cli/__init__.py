@@ -44,6 +44,12 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
+class _Session:
+    """What the root options said, for the error boundary (reset by every ``main``)."""
+
+    debug = False
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
@@ -51,6 +57,7 @@ def _root(
                                  help="Print the version and exit."),
 ) -> None:
     """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit, diff, convert, get."""
+    _Session.debug = debug
 
 
 app.command()(show)
@@ -74,7 +81,9 @@ class _Terminated(BaseException):
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; map every error to one line on stderr and an :class:`ExitStatus`."""
     args = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in args
+    _Session.debug = False
+    if not args:  # bare `treecli`: the help, as `treecli --help` prints it
+        args = ["--help"]
     # A command runs once and exits: Python's cyclic collector would only walk the
     # millions of long-lived objects of a big header again and again (half of
     # `show`'s time on a 200k-tensor file). Reference counting frees as usual.
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     with _gc.paused(), _terminating_signals_raise():
         try:
-            return _run_app(args, debug)
+            return _run_app(args)
         except _Terminated as e:
             with contextlib.suppress(OSError):
                 sys.stderr.write(f"treecli: interrupted by {signal.Signals(e.signum).name}\n")
@@ -108,7 +117,7 @@ def _terminating_signals_raise():
             signal.signal(signum, old)
 
 
-def _run_app(args: list[str], debug: bool) -> int:
+def _run_app(args: list[str]) -> int:
     from treecli._errors import NotDurableError, TreecliError
     from treecli.cli._output import OutputClosed
 
@@ -125,19 +134,19 @@ def _run_app(args: list[str], debug: bool) -> int:
         sys.stderr.write("treecli: interrupted\n")
         return ExitStatus.INTERRUPTED
     except TreecliError as e:
-        if debug:
+        if _Session.debug:
             raise
         _print_error(e.headline(), e.details)
         return ExitStatus.NOT_DURABLE if isinstance(e, NotDurableError) else ExitStatus.ERROR
     except typer.TyperException as e:  # Click usage errors: bad option, missing argument
-        if debug:
+        if _Session.debug:
             raise
         _print_error(e.format_message())
         return ExitStatus.ERROR
     except (BrokenPipeError, OutputClosed):  # `treecli show big | head`: diff keeps its verdict itself
         return ExitStatus.OK
     except Exception as e:
-        if debug:
+        if _Session.debug:
             raise
         _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
         return ExitStatus.ERROR
@@ -156,20 +165,20 @@ def _print_error(headline: str, details: list[str] = ()) -> None:
 def run() -> None:
     """Console-script entry point."""
     code = main()
-    # Leave without the interpreter's teardown: outputs are complete, fsynced and
-    # closed by now, and tearing down the objects of a 200k-tensor tree one by one
-    # took 0.2-0.4 s. After Ctrl-C this also matters for correctness: an interrupt
-    # can land while a worker thread of the prefetch pool is starting, before the
-    # pool registers it, and interpreter exit would then wait on it forever.
     try:
         sys.stdout.flush()
     except BrokenPipeError:  # `treecli show big | head` closed the pipe
-        pass
+        _silence_stdout()
     except OSError as e:  # `treecli show big > file` on a full disk: not a success
+        _silence_stdout()
         _print_error(f"cannot write standard output: {e.strerror or e}")
-        code = code or 2
-    try:
-        sys.stderr.flush()
-    except OSError:
-        pass
-    os._exit(code)
+        code = code or ExitStatus.ERROR
+    sys.exit(code)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's own flush at exit does not
+    fail again on the closed pipe or full disk (and print a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -59,7 +59,7 @@ def get(
         data = leaf.read()
         if json:
             out.json({"keypath": keypath, "shape": list(leaf.shape), "dtype": leaf.dtype_name,
-                      "value": data.astype("float64").tolist() if leaf.dtype.kind == "V" else data.tolist()})
+                      "value": _summary.json_array(data)})
             return
         import numpy as np
 
@@ -76,6 +76,9 @@ def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
     from treecli._errors import UsageError
     from treecli.formats import _outputs
 
+    if not path.name.endswith(".npy"):
+        raise UsageError("get -o writes one leaf as a .npy file; name it *.npy (for a checkpoint of some leaves: "
+                         "treecli edit CKPT --delete ... -o out.safetensors)", file=str(path), keypath=keypath)
     if leaf.dtype.kind == "V" or leaf.dtype.name.startswith(("bfloat", "float8", "float4", "float6")):
         raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
                          "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",

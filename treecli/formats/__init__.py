@@ -94,20 +94,39 @@ def _refuse_special(path: Path) -> None:
         refuse_special(path, mode)
 
 
+# Formats treecli writes, and how an output is named for each.
+WRITES = ".safetensors, .npz, .msgpack, or a directory (an HF safetensors directory, or an Orbax checkpoint)"
+# Extensions of files treecli reads but does not write, or never reads: an output named
+# so is a mistake, never a directory of that name.
+_FOREIGN_EXTENSIONS = (".npy", ".eqx", ".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
+                       ".json", ".gguf", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
+
+
 def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Any, bool]:
     """The format to write and whether the output is a directory.
 
     ``--format`` wins; else the extension of ``-o`` names it; else ``-o`` is a
     directory in the first input's format.
+
+    Raises:
+        UsageError: the name ends in an extension treecli does not write (``out.h5``,
+            ``out.npy``), or ``--format`` contradicts the name's extension.
     """
+    named = next((name for name in FORMATS if any(target.name.endswith(ext) for ext in get(name).extensions)), None)
+    foreign = next((ext for ext in _FOREIGN_EXTENSIONS if target.name.lower().endswith(ext)), None)
+    if named and not hasattr(get(named), "write"):  # .npy, .eqx: read (as Equinox records), not written
+        named, foreign = None, Path(target.name).suffix
     if format:
         fmt = get(format)
-        is_dir = not any(target.name.endswith(ext) for ext in fmt.extensions)
-        return fmt, is_dir
-    for name in FORMATS:
-        fmt = get(name)
-        if any(target.name.endswith(ext) for ext in fmt.extensions):
-            return fmt, False
+        if (named and named != fmt.name) or (foreign and not named):
+            raise UsageError(f"the name says {named or foreign} but --format says {format}; treecli writes "
+                             f"{WRITES}", file=str(target))
+        return fmt, not any(target.name.endswith(ext) for ext in fmt.extensions)
+    if named:
+        return get(named), False
+    if foreign:
+        hint = " (one leaf: treecli get CKPT KEYPATH -o leaf.npy)" if foreign == ".npy" else ""
+        raise UsageError(f"treecli does not write {foreign} files{hint}; it writes {WRITES}", file=str(target))
     if input_format is None:
         raise UsageError("cannot tell the output format from the name; add --format", file=str(target))
     return get(input_format), True

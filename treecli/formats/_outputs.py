@@ -86,7 +86,7 @@ def check_replaceable_directory(directory: Path, fmt: Any, companions: Sequence[
     owns = getattr(fmt, "owns", lambda name: False)
     foreign = sorted(
         e.name for e in os.scandir(directory)
-        if not owns(e.name) and not (e.name in companions and e.is_file(follow_symlinks=False))
+        if not owns(e.name) and not (e.name in companions and not e.is_symlink())
     )
     if foreign:
         raise UsageError(
@@ -111,7 +111,11 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
         with _atomic.atomic_directory(target, replace=existing is not None) as built:
             fmt.write(tree, built, options)
             for companion in options.companions:
-                if not (built / companion.name).exists():
+                if (built / companion.name).exists():
+                    continue
+                if companion.is_dir():
+                    shutil.copytree(companion, built / companion.name, symlinks=True)
+                else:
                     shutil.copy2(companion, built / companion.name)
             if verify:
                 verify(built)

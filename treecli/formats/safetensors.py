@@ -387,12 +387,30 @@ def _open_directory(path: Path) -> Checkpoint:
     return checkpoint
 
 
+# Weights in other formats beside the safetensors ones (pytorch_model.bin, tf_model.h5,
+# flax_model.msgpack, their indexes): never copied beside new weights, where they would
+# be stale and take precedence in some loaders.
+_OTHER_WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|npz|pkl)(\.index\.json)?")
+
+
 def _companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
-    return sorted(
-        p for p in directory.iterdir()
-        if p.is_file() and not p.is_symlink() and p.name not in checkpoint_files and not p.name.startswith(".")
-        and not p.name.endswith(".safetensors")
-    )
+    """What a directory output copies from an input directory: its other files and
+    sub-directories (config.json, tokenizer files, sentence-transformers' 1_Pooling/),
+    not dot-files, not weights. A symlink is followed only into the directory itself or,
+    for a Hugging Face cache snapshot, into the cache's blobs: a link elsewhere could
+    copy a host file into the output."""
+    real = os.path.realpath(directory)
+    blobs = os.path.realpath(os.path.join(directory, "..", "..", "blobs"))
+    out = []
+    for p in sorted(directory.iterdir()):
+        if p.name.startswith(".") or p.name in checkpoint_files or _OTHER_WEIGHTS.fullmatch(p.name):
+            continue
+        target = os.path.realpath(p)
+        if p.is_symlink() and not any(target.startswith(root + os.sep) for root in (real, blobs)):
+            continue
+        if p.is_file() or (p.is_dir() and not p.is_symlink()):
+            out.append(p)
+    return out
 
 
 def _open_index(index_path: Path) -> Checkpoint:
