@@ -552,3 +552,19 @@ def test_a_zip_with_data_before_it_is_no_npz_as_np_load_says(tmp_path):
     path = tmp_path / "x.npz"
     path.write_bytes(content)
     assert_clean_error(run_cli("show", path), "PK")
+
+
+def test_an_npz_member_named_otherwise_in_its_local_header_is_refused(tmp_path):
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, b=np.ones(2, np.float32))
+    content = buffer.getvalue()
+    central = content.rindex(b"b.npy")  # the central directory's copy of the name
+    content = content[:central] + b"c.npy" + content[central + 5:]
+    with pytest.raises(Exception):
+        with np.load(io.BytesIO(content), allow_pickle=False) as archive:
+            archive["c"]
+    path = tmp_path / "x.npz"
+    path.write_bytes(content)
+    assert_clean_error(run_cli("show", path), "c.npy")

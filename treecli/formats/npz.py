@@ -174,13 +174,18 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
 
 
 def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
-    """Where a stored member's bytes start: after its local file header."""
-    with open(path, "rb") as f:
+    """Where a stored member's bytes start: after its local file header, which must name
+    the member as the central directory does (zipfile, and so np.load, checks that too)."""
+    with open_regular(path) as f:
         f.seek(info.header_offset)
         local = f.read(30)
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
-        raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        local_name = f.read(name_len)
+    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+    if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
+        raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=str(path))
     return info.header_offset + 30 + name_len + extra_len
 
 
