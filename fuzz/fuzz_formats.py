@@ -84,6 +84,8 @@ def reference(data: bytes, ours: dict) -> dict | None:
             keypath, node = stack.pop()
             if isinstance(node, dict):
                 stack.extend((keypath + (k,), v) for k, v in node.items())
+            elif isinstance(node, (list, tuple)):
+                stack.extend((keypath + (i,), v) for i, v in enumerate(node))
             elif isinstance(node, np.ndarray):
                 out["/".join(map(str, keypath))] = np.ascontiguousarray(node).tobytes()
         return out
@@ -109,8 +111,8 @@ def test_one_input(data: bytes) -> None:
 def seeds() -> None:
     """Write a few valid inputs to start from, if the corpus directory given is empty."""
     corpus = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if not corpus or (os.path.isdir(corpus) and os.listdir(corpus)):
-        return
+    if not corpus or os.path.isfile(corpus) or (os.path.isdir(corpus) and os.listdir(corpus)):
+        return  # a crash file to replay, or a corpus that has inputs already
     os.makedirs(corpus, exist_ok=True)
     if FORMAT == "safetensors":
         from safetensors.numpy import save

@@ -80,7 +80,8 @@ def test_get_json_spells_nan_and_inf_as_strings_jq_reads(tmp_path):
     assert run_cli("get", path, "c", "--json").json["value"] == [[1.0, 2.0], ["nan", 1.0]]
 
 
-def test_get_prints_numpy_text_untouched(tmp_path):
+def test_get_prints_numpy_text_untouched(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal must not re-wrap NumPy's rows
     path = tmp_path / "m.safetensors"
     data = np.arange(60, dtype=np.float32).reshape(3, 20) * 1000.5
     save_file({"w": data}, str(path))

@@ -241,7 +241,9 @@ def _msgpack_reference(content: bytes) -> dict[str, bytes]:
         keypath, node = stack.pop()
         if isinstance(node, dict):
             stack.extend((keypath + (k,), v) for k, v in node.items())
-        elif isinstance(node, np.ndarray) and node.ndim > 0 or isinstance(node, np.ndarray):
+        elif isinstance(node, (list, tuple)):
+            stack.extend((keypath + (i,), v) for i, v in enumerate(node))
+        elif isinstance(node, np.ndarray):
             out["/".join(map(str, keypath))] = bits(node)
     return out
 
