@@ -568,3 +568,14 @@ def test_an_npz_member_named_otherwise_in_its_local_header_is_refused(tmp_path):
     path = tmp_path / "x.npz"
     path.write_bytes(content)
     assert_clean_error(run_cli("show", path), "c.npy")
+
+
+def test_an_eqx_record_of_bytes_is_a_clean_error(tmp_path):
+    """Found by the atheris harness: a .npy record of dtype S4 was an internal TypeError."""
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([b"abcd"]))
+    path = tmp_path / "m.eqx"
+    path.write_bytes(buffer.getvalue())
+    assert_clean_error(run_cli("show", path), "not numbers")

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from treecli import _dtypes
 from treecli._errors import FormatError, RefusedError
 from treecli.formats import _npy
 from treecli.formats._base import Checkpoint
@@ -54,6 +55,8 @@ def _open(path: Path) -> Checkpoint:
                 raise FormatError(f"{where}: {e}", file=file) from None
             if header.dtype.hasobject:
                 raise RefusedError(f"refused: {where} holds Python objects, and loading them unpickles", file=file)
+            if header.dtype.kind != "V" and not _dtypes.is_known(header.dtype_name):
+                raise FormatError(f"{where} holds {header.dtype} values, not numbers", file=file)
             if header.fortran or header.dtype.byteorder == ">":
                 raise FormatError(f"{where}: Fortran-order or big-endian records are not supported", file=file)
             data = offset + header.data_offset
