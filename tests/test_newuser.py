@@ -171,3 +171,19 @@ def test_declared_dependencies_are_what_runs():
     assert "jax" in sys.modules and "jaxlib" in sys.modules
     assert third_party <= {module_of.get(d, d) for d in declared}, third_party
     assert {module_of.get(d, d) for d in declared} - {"jax", "jaxlib"} <= third_party
+
+
+def test_slice_and_edit_json_share_one_schema_written_or_dry_run(tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones((4, 2), np.float32), "b": np.zeros(2, np.float32)}, str(src))
+    docs = [run_cli("slice", src, "--index", "w=:2", "--dry-run", "--json").json,
+            run_cli("slice", src, "--index", "w=:2", "-o", tmp_path / "s.safetensors", "--json", "-q").json,
+            run_cli("edit", src, "--cast", "w=float16", "--dry-run", "--json").json,
+            run_cli("edit", src, "--cast", "w=float16", "-o", tmp_path / "e.safetensors", "--json", "-q").json]
+    for doc in docs:
+        assert set(doc) == {"output", "changed", "skipped"}
+        assert [set(row) for row in doc["changed"]] == [{"keypath", "before", "after", "what"}]
+        assert doc["changed"][0]["keypath"] == "w"
+    assert docs[0]["changed"][0]["after"] == "[2, 2] float32" and docs[0]["output"] is None
+    assert docs[1]["output"] == str(tmp_path / "s.safetensors") and (tmp_path / "s.safetensors").exists()
+    assert docs[3]["changed"][0]["after"] == "[4, 2] float16" and (tmp_path / "e.safetensors").exists()

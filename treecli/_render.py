@@ -83,6 +83,15 @@ def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozen
     return itertools.chain([head], map(line, firsts, lengths, tails))
 
 
+def changes_json(rows: Sequence[Sequence[str]], output: Any = None, skipped: Sequence[str] = ()) -> dict[str, Any]:
+    """The JSON of what a command changes (``slice``, ``edit``; dry run or not): every row
+    ``(keypath, before, after, what)``, before/after described as ``diff`` describes a
+    leaf (``"[2, 3] float32"``); ``output`` is the path written, or None for a dry run."""
+    return {"output": None if output is None else str(output),
+            "changed": [{"keypath": k, "before": b, "after": a, "what": w} for k, b, a, w in rows],
+            "skipped": list(skipped)}
+
+
 def format_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 

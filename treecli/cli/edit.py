@@ -72,13 +72,13 @@ def edit(
         raise UsageError("nothing to do: give --rename, --delete, --set, --cast or --scale")
     with open_input(out, checkpoint, input_format, step) as ckpt:
         tree, report = edit_tree(ckpt.tree, edits)
-        if dry_run:
-            if json:
-                out.json({"changes": [{"keypath": k, "before": b, "after": a, "what": w} for k, b, a, w in report.rows]})
-            else:
-                out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))
+        if dry_run and not json:
+            out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))
             return
-        write_output(out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
-                     in_place=in_place, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        written = None if dry_run else write_output(
+            out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force, in_place=in_place,
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
         for line in report.warnings:
             out.warn(line)
+        if json:
+            out.json(_render.changes_json(report.rows, written))

@@ -47,6 +47,7 @@ def slice_(
         treecli slice ckpt --index 'encoder.layers=3' --index 'decoder.layers=-1' -o out
         treecli slice ckpt --index 'ensemble=2' --index ':, :128' -o out
         treecli slice ckpt --index 'params.**.kernel=..., :64' --dry-run
+        treecli slice ckpt.safetensors --index 0 -o member0.safetensors --json
     """
     from treecli import _render
     from treecli._errors import UsageError
@@ -61,15 +62,15 @@ def slice_(
             n = len(report.skipped)
             out.note(f"default index skipped {n} {'leaf' if n == 1 else 'leaves'} with too few dimensions "
                      f"(e.g. {report.skipped[0]})")
-        if dry_run:
-            if json:
-                out.json({"changed": [{"keypath": k, "before": list(b), "after": list(a), "dtype": d, "rule": r}
-                                      for k, b, a, d, r in report.changed],
-                          "skipped": report.skipped})
-            else:
-                rows = [[k, _render.format_shape(b), "->", _render.format_shape(a), d, r]
-                        for k, b, a, d, r in report.changed]
-                out.lines(_render.table(["key path", "before", "", "after", "dtype", "rule"], rows))
+        if dry_run and not json:
+            rows = [[k, _render.format_shape(b), "->", _render.format_shape(a), d, r]
+                    for k, b, a, d, r in report.changed]
+            out.lines(_render.table(["key path", "before", "", "after", "dtype", "rule"], rows))
             return
-        write_output(out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
-                     max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        written = None if dry_run else write_output(
+            out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        if json:
+            rows = [(k, f"{_render.format_shape(b)} {d}", f"{_render.format_shape(a)} {d}", f"index {r}")
+                    for k, b, a, d, r in report.changed]
+            out.json(_render.changes_json(rows, written, report.skipped))
