@@ -187,3 +187,25 @@ def test_slice_and_edit_json_share_one_schema_written_or_dry_run(tmp_path):
     assert docs[0]["changed"][0]["after"] == "[2, 2] float32" and docs[0]["output"] is None
     assert docs[1]["output"] == str(tmp_path / "s.safetensors") and (tmp_path / "s.safetensors").exists()
     assert docs[3]["changed"][0]["after"] == "[4, 2] float16" and (tmp_path / "e.safetensors").exists()
+
+
+def test_convert_shows_a_verification_bar_in_binary_units_on_a_terminal(tmp_path):
+    import os
+    import re
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("script") is None:
+        pytest.skip("needs util-linux script for a pseudo-terminal")
+    src = tmp_path / "big.safetensors"
+    save_file({f"w{i}": np.ones(1 << 22, np.float32) for i in range(6)}, str(src))  # 96 MiB
+    log = tmp_path / "pty.log"
+    command = f"{shlex.quote(sys.executable)} -m treecli convert {src} {tmp_path / 'o.npz'}"
+    subprocess.run(["script", "-qec", command, str(log)], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "COLUMNS": "120"})
+    screen = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", log.read_text(errors="replace"))
+    assert "writing o.npz" in screen and "verifying" in screen
+    assert "MiB/s" in screen or "GiB/s" in screen
+    assert not re.search(r"\d MB/s", screen)

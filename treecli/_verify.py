@@ -10,8 +10,9 @@ separator; tree formats by the key path itself.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from treecli import _diff, _leaf, _tree
 from treecli._errors import TreecliError
@@ -48,14 +49,23 @@ def _reference_check(written_path: Path) -> list[str]:
     return problems
 
 
-def verifier(tree: Any, fmt: Any, dropped_allowed: bool) -> Callable[[Path], None]:
-    """A check of a finished temporary against ``tree``, raising on any difference."""
+def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
+             progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None
+             ) -> Callable[[Path], None]:
+    """A check of a finished temporary against ``tree``, raising on any difference.
+
+    ``progress(description, total_bytes)``, when given, is a context giving an
+    ``advance(nbytes)`` callable (a progress bar: the check reads everything twice).
+    """
 
     def verify(written_path: Path) -> None:
         from treecli.formats import open_checkpoint
 
-        with open_checkpoint(written_path, fmt.name) as written:
-            result = _diff.diff(stored_names(tree, fmt.separator), stored_names(written.tree, fmt.separator))
+        total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
+        with open_checkpoint(written_path, fmt.name) as written, \
+                (progress("verifying", total) if progress else contextlib.nullcontext(None)) as advance:
+            result = _diff.diff(stored_names(tree, fmt.separator), stored_names(written.tree, fmt.separator),
+                                progress=advance)
         problems = _reference_check(written_path) if fmt.name == "safetensors" else []
         problems += [f"only in the output: {k}" for k in result.only_in_b]
         problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]

@@ -32,6 +32,7 @@ class Output:
         self.plain = self._no_color or not _isatty(sys.stdout)
         self.quiet = quiet
         self._consoles: dict[str, Any] = {}
+        self._bar: Any = None  # the live progress display, while there is one
 
     # Rich is imported only for a terminal or a progress bar: piped output is
     # plain strings, and importing rich.console costs 40 ms of show's budget.
@@ -94,14 +95,40 @@ class Output:
         if self.quiet or total_bytes < threshold or not _isatty(sys.stderr):
             yield lambda n: None
             return
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        if self._bar is not None:  # a stage inside another (verifying inside writing): a line of its own
+            task = self._bar.add_task(visible(description), total=total_bytes)
+            try:
+                yield lambda n: self._bar.advance(task, n)
+            finally:
+                self._bar.remove_task(task)
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                   TransferSpeedColumn(), TimeRemainingColumn())
+                   _BinarySpeedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=self.stderr, transient=True) as bar:
+            self._bar = bar
             task = bar.add_task(visible(description), total=total_bytes)
-            yield lambda n: bar.advance(task, n)
+            try:
+                yield lambda n: bar.advance(task, n)
+            finally:
+                self._bar = None
+
+
+def _BinarySpeedColumn():
+    """Speed in the binary units of the byte counts beside it (MiB/s next to GiB),
+    where Rich's own speed column says MB/s."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from treecli._render import human_bytes
+
+    class Speed(ProgressColumn):
+        def render(self, task: Any) -> Any:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
+
+    return Speed()
 
 
 class _StyleCodes(dict):

@@ -56,7 +56,7 @@ def convert(
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         fmt, _ = output_format(target, format, ckpt.format)
-        verify = None if no_verify else verifier(tree, fmt, drop_unsupported)
+        verify = None if no_verify else verifier(tree, fmt, drop_unsupported, progress=out.progress)
         write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
         for line in report.warnings:
