@@ -209,3 +209,28 @@ def test_convert_shows_a_verification_bar_in_binary_units_on_a_terminal(tmp_path
     assert "writing o.npz" in screen and "verifying" in screen
     assert "MiB/s" in screen or "GiB/s" in screen
     assert not re.search(r"\d MB/s", screen)
+
+
+def _on_a_terminal(monkeypatch):
+    from treecli.cli import _output
+
+    monkeypatch.setattr(_output, "_isatty", lambda stream: True)
+
+
+def test_identical_numbered_siblings_fold_into_one_row_on_a_terminal(tmp_path, monkeypatch):
+    tensors = {f"model.layers.{i}.{name}": np.zeros(shape, np.float32)
+               for i in range(32) for name, shape in (("attn.w", (4, 4)), ("norm.w", (4,)))}
+    tensors["model.layers.32.attn.w"] = np.zeros((2, 2), np.float32)  # another structure: not in the run
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    _on_a_terminal(monkeypatch)
+    folded = run_cli("show", path).stdout
+    assert "{0..31} ×32" in folded
+    assert folded.count("attn") == 2  # the folded structure once, plus layer 32
+    assert "64 leaves" in folded  # totals of the 32 members summed
+    expanded = run_cli("show", path, "--expand").stdout
+    assert "{0.." not in expanded and expanded.count("attn") == 33
+    monkeypatch.undo()
+    piped = run_cli("show", path).stdout
+    assert "{0.." not in piped and piped.count("attn") == 33
+    assert run_cli("show", path, "--json").json["num_leaves"] == 65

@@ -150,16 +150,69 @@ def _cells_memo(stats: bool) -> Callable[[Node], list[str]]:
     return cells
 
 
-def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False) -> Iterable[Line]:
-    """The tree of ``show``: one row per node, guides (or indentation) before the key."""
+def _shapes(root: Node) -> dict[int, int]:
+    """A small number per node, equal for nodes of identical structure (keys, shapes,
+    dtypes, value types, recursively): what folding compares. Iterative, bottom-up."""
+    ids: dict[tuple, int] = {}
+    shape_of: dict[int, int] = {}
+    order, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(node.children)
+    for node in reversed(order):
+        if node.kind == "node":
+            signature: tuple = ("node", tuple((c.key, shape_of[id(c)]) for c in node.children))
+        elif node.kind == "array":
+            signature = ("array", node.shape, node.dtype)
+        else:
+            signature = ("value", _summary.value_type(node.value))
+        shape_of[id(node)] = ids.setdefault(signature, len(ids))
+    return shape_of
+
+
+def _runs(children: list[Node], shape_of: dict[int, int]) -> list[list[Node]]:
+    """Consecutive inner nodes with numbered keys (0, 1, 2, ...) and one structure, as
+    runs to fold; every other child a run of one."""
+    runs: list[list[Node]] = []
+    for child in children:
+        previous = runs[-1] if runs else None
+        if (previous and child.kind == "node" and previous[-1].kind == "node"
+                and shape_of[id(child)] == shape_of[id(previous[-1])]
+                and str(child.key).isdigit() and str(previous[-1].key).isdigit()
+                and int(child.key) == int(previous[-1].key) + 1):
+            previous.append(child)
+        else:
+            runs.append([child])
+    return runs
+
+
+def _folded(run: list[Node]) -> Node:
+    """One row for a run of identical siblings: their totals summed."""
+    return Node(key=run[0].key, keypath=run[0].keypath, kind="node", children=run[0].children,
+                nbytes=sum(n.nbytes for n in run), params=sum(n.params for n in run),
+                num_leaves=sum(n.num_leaves for n in run))
+
+
+def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False,
+               fold: bool = False) -> Iterable[Line]:
+    """The tree of ``show``: one row per node, guides (or indentation) before the key.
+
+    ``fold``: siblings with numbered keys and identical structure (the 32 layers of a
+    model) are one row, ``{0..31} ×32`` with their totals summed, over the structure
+    shown once.
+    """
     rows: list[tuple] = []
     cells = _cells_memo(stats)
+    shape_of = _shapes(root) if fold else {}
 
     # One call per inner node, not per row: 333k rows for a 200k-tensor header.
     def add_children(node: Node, prefix: str, level: int) -> None:
-        last_index = len(node.children) - 1
-        for i, child in enumerate(node.children):
-            key = format_key(child.key)
+        runs = _runs(node.children, shape_of) if fold else [[c] for c in node.children]
+        last_index = len(runs) - 1
+        for i, run in enumerate(runs):
+            child = run[0] if len(run) == 1 else _folded(run)
+            key = format_key(child.key) if len(run) == 1 else f"{{{run[0].key}..{run[-1].key}}} ×{len(run)}"
             if plain:
                 lead, child_prefix = prefix, prefix + "  "
                 rows.append((lead + key, *cells(child)))
@@ -214,11 +267,12 @@ def info_lines(info: dict[str, Any]) -> Iterable[Line]:
 
 
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
-               flat: bool, depth: int | None, stats: bool, plain: bool) -> Iterable[Line]:
+               flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
     parts: list[Iterable[Line]] = [[headline(file, fmt, root, totals)], info_lines(info), [[]]]
-    parts.append(flat_lines(root, stats=stats) if flat else tree_lines(root, depth=depth, stats=stats, plain=plain))
+    parts.append(flat_lines(root, stats=stats) if flat else tree_lines(root, depth=depth, stats=stats, plain=plain,
+                                                                       fold=fold))
     if root.num_leaves:
         parts += [[[]], dtype_lines(root, totals)]
     if metadata:

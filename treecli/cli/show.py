@@ -19,6 +19,8 @@ def show(
                                     show_default=False)
     ] = None,
     flat: Annotated[bool, typer.Option("--flat", help="A table of full key paths instead of a tree.")] = False,
+    expand: Annotated[bool, typer.Option("--expand", help="On a terminal, show every one of identical numbered "
+                                         "siblings (layers.0 ... layers.31) instead of one folded row.")] = False,
     stats: Annotated[
         bool, typer.Option("--stats", help="Read the data once: min/max/mean/std and NaN/Inf/zero counts per leaf.")
     ] = False,
@@ -39,6 +41,7 @@ def show(
         treecli show model.safetensors
         treecli show ./Llama-3-8B --where 'model.layers.0.**' --flat
         treecli show ckpt_dir --depth 2 --json
+        treecli show ./Llama-3-8B --expand
     """
     from treecli import _render, _summary
 
@@ -63,4 +66,5 @@ def show(
             out.json(document)
         else:
             out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.info, flat=flat,
-                                         depth=depth, stats=stats, plain=out.plain))
+                                         depth=depth, stats=stats, plain=out.plain,
+                                         fold=not (out.plain or expand or stats)))
