@@ -234,3 +234,22 @@ def test_identical_numbered_siblings_fold_into_one_row_on_a_terminal(tmp_path, m
     piped = run_cli("show", path).stdout
     assert "{0.." not in piped and piped.count("attn") == 33
     assert run_cli("show", path, "--json").json["num_leaves"] == 65
+
+
+def test_stats_fit_an_80_column_terminal_and_count_nan_and_inf(tmp_path, monkeypatch):
+    data = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    data[0, 0], data[1, 1], data[2, 2] = np.nan, np.inf, -np.inf
+    path = tmp_path / "m.safetensors"
+    save_file({"model.layers.0.self_attn.q_proj.weight": data, "model.norm.weight": np.ones(16, np.float32)},
+              str(path))
+    _on_a_terminal(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "80")
+    result = run_cli("show", path, "--stats")
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()[1:]  # after the headline (a long file name is cut there)
+    assert all(len(line) <= 80 and not line.endswith("…") for line in lines), result.stdout
+    header = next(line for line in lines if line.startswith("key"))
+    assert {"min", "max", "mean", "nan", "inf"} <= set(header.split())
+    weight = next(line for line in lines if line.rstrip().endswith("2") and "[64, 16]" in line)
+    assert weight.split()[-2:] == ["1", "2"]  # one NaN, two infinities, counted beside min/max/mean
+    assert any(line.startswith("(left out to fit:") for line in lines)

@@ -47,6 +47,27 @@ def human_count(n: int) -> str:
     raise AssertionError
 
 
+def fit_columns(header: list[str], rows: list[Sequence[Any]], width: int,
+                droppable: Sequence[str]) -> tuple[list[str], list[Sequence[Any]], list[str]]:
+    """Leave out columns, least useful first (``droppable`` in that order), until the
+    table fits ``width`` characters; returns the header, the rows and what was left out."""
+    def cell_len(c: Any) -> int:
+        return len(c) if type(c) is str else sum(len(text) for text, _ in c)
+
+    widths = [max(len(title), max((cell_len(r[i]) for r in rows), default=0)) for i, title in enumerate(header)]
+    keep = list(range(len(header)))
+    dropped: list[str] = []
+    for name in droppable:
+        if sum(widths[i] + 2 for i in keep) - 2 <= width or name not in header:
+            continue
+        keep.remove(header.index(name))
+        dropped.append(name)
+    if not dropped:
+        return header, rows, []
+    pick = itemgetter(*keep)
+    return list(pick(header)), [pick(r) for r in rows], dropped
+
+
 def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozenset()) -> Iterable[Line]:
     """Lay out rows of cells in aligned columns, lazily (a 333k-row table is formatted
     as it is printed, never held twice in memory).
@@ -195,7 +216,7 @@ def _folded(run: list[Node]) -> Node:
 
 
 def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False,
-               fold: bool = False) -> Iterable[Line]:
+               fold: bool = False, width: int | None = None) -> Iterable[Line]:
     """The tree of ``show``: one row per node, guides (or indentation) before the key.
 
     ``fold``: siblings with numbered keys and identical structure (the 32 layers of a
@@ -227,14 +248,30 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
     if root.kind != "node":
         rows.append(("<root>", *_cells(root, stats)))
     add_children(root, "", 1)
-    return table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
+    return _stats_table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
 
 
-def flat_lines(root: Node, *, stats: bool = False) -> Iterable[Line]:
+def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
     cells = _cells_memo(stats)
     rows = [(node.text_keypath or "<root>", *cells(node)) for node in _summary.leaves(root)]
-    return table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, _right(stats))
+    return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
+
+
+# With --stats on a narrow terminal, these go first (in this order) so that what is left
+# fits whole instead of every column cropped to "…".
+_LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
+
+
+def _stats_table(header: list[str], rows: list, stats: bool, width: int | None) -> Iterable[Line]:
+    right = {i for i, name in enumerate(header) if i in _right(stats)}
+    if not (stats and width):
+        return table(header, rows, right)
+    names = {i: name for i, name in enumerate(header)}
+    header, rows, dropped = fit_columns(header, rows, width, _LEAST_USEFUL)
+    right = {header.index(names[i]) for i in right if names[i] in header}
+    note = [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else []
+    return itertools.chain(table(header, rows, right), note)
 
 
 def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]]) -> Iterable[Line]:
@@ -267,12 +304,13 @@ def info_lines(info: dict[str, Any]) -> Iterable[Line]:
 
 
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
-               flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False) -> Iterable[Line]:
+               flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False,
+               width: int | None = None) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
     parts: list[Iterable[Line]] = [[headline(file, fmt, root, totals)], info_lines(info), [[]]]
-    parts.append(flat_lines(root, stats=stats) if flat else tree_lines(root, depth=depth, stats=stats, plain=plain,
-                                                                       fold=fold))
+    parts.append(flat_lines(root, stats=stats, width=width) if flat else
+                 tree_lines(root, depth=depth, stats=stats, plain=plain, fold=fold, width=width))
     if root.num_leaves:
         parts += [[[]], dtype_lines(root, totals)]
     if metadata:

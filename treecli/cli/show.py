@@ -67,4 +67,5 @@ def show(
         else:
             out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.info, flat=flat,
                                          depth=depth, stats=stats, plain=out.plain,
-                                         fold=not (out.plain or expand or stats)))
+                                         fold=not (out.plain or expand or stats),
+                                         width=None if out.plain else out.stdout.width))
