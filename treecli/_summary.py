@@ -152,7 +152,9 @@ def json_array(data: Any) -> Any:
     as non-array leaves: strict JSON, which ``jq`` reads."""
     import numpy as np
 
-    if data.dtype.kind == "V" or _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8: as float64
+    if data.dtype.kind == "V":  # raw bytes of a dtype nobody named (an npz's V2): hex, as json_value does
+        return np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data).tolist()
+    if _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8: as float64
         data = data.astype(np.float64)
     if data.dtype.kind == "c":  # [real, imag] pairs: JSON has no complex numbers
         return json_array(np.stack([data.real, data.imag], axis=-1))

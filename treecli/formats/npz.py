@@ -199,10 +199,10 @@ def _member_stream(reader: FileReader, info: zipfile.ZipInfo, key: str) -> Itera
         raise FormatError(f"cannot decompress the member: {e}", file=reader.path, keypath=key) from None
 
 
-class _StreamedMemberLeaf(_leaf.ArrayLeaf):
-    """A compressed (or big-endian) C-order member, decompressed as a stream: chunks read
-    in order cost one chunk of memory, however large the member inflates (a 3 MB npz
-    may honestly hold a 3 GiB array); reading backwards starts the stream again."""
+class _Member:
+    """Where a member read through zipfile lies and how it is stored (a mixin of leaves)."""
+
+    __slots__ = ()
 
     def __init__(self, reader: FileReader, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype,
                  name: str, key: str):
@@ -210,6 +210,15 @@ class _StreamedMemberLeaf(_leaf.ArrayLeaf):
         self._stored, self._key = stored_dtype, key
         self.shape = shape
         self.dtype_name = name
+
+
+class _StreamedMemberLeaf(_Member, _leaf.ArrayLeaf):
+    """A compressed (or big-endian) C-order member, decompressed as a stream: chunks read
+    in order cost one chunk of memory, however large the member inflates (a 3 MB npz
+    may honestly hold a 3 GiB array); reading backwards starts the stream again."""
+
+    def __init__(self, *member: Any):
+        super().__init__(*member)
         self._lock = threading.Lock()
         self._open: contextlib.ExitStack | None = None
         self._stream = None
@@ -262,15 +271,8 @@ class _StreamedMemberLeaf(_leaf.ArrayLeaf):
         self._open = self._stream = None
 
 
-class _FortranMemberLeaf(_leaf.WholeLeaf):
+class _FortranMemberLeaf(_Member, _leaf.WholeLeaf):
     """A Fortran-order member: reordered to C order whole, so it must fit in memory."""
-
-    def __init__(self, reader: FileReader, info: zipfile.ZipInfo, data_start: int, shape: tuple, stored_dtype,
-                 name: str, key: str):
-        self._reader, self._info, self._start = reader, info, data_start
-        self._stored, self._key = stored_dtype, key
-        self.shape = shape
-        self.dtype_name = name
 
     def load(self):
         import numpy as np
