@@ -253,3 +253,19 @@ def test_stats_fit_an_80_column_terminal_and_count_nan_and_inf(tmp_path, monkeyp
     weight = next(line for line in lines if line.rstrip().endswith("2") and "[64, 16]" in line)
     assert weight.split()[-2:] == ["1", "2"]  # one NaN, two infinities, counted beside min/max/mean
     assert any(line.startswith("(left out to fit:") for line in lines)
+
+
+@pytest.mark.parametrize("words", ["treecli edit examples/tiny.safetensors --cast model.l",
+                                   "treecli edit examples/tiny.safetensors -o x.safetensors --delete model.l",
+                                   "treecli slice examples/tiny.safetensors --index model.l"])
+def test_edit_and_slice_patterns_complete_key_paths(words):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "_TREECLI_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(words.split()) - 1)}
+    result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent.parent, env=env, timeout=60)
+    assert result.stdout.split()[:2] == ["model.layers", "model.layers.0"], result.stdout + result.stderr

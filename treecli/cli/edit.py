@@ -18,16 +18,16 @@ def edit(
     checkpoint: opt.CheckpointArg,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
                                                    show_default=False)] = None,
-    rename: Annotated[_Many, typer.Option("--rename", help="OLD=NEW: a key path, a prefix, or ** captures "
+    rename: Annotated[_Many, typer.Option("--rename", autocompletion=opt.complete_keypaths, help="OLD=NEW: a key path, a prefix, or ** captures "
                                           "carried over ('_orig_mod.**=**'). Applied first.",
                                           show_default=False)] = None,
-    delete: Annotated[_Many, typer.Option("--delete", help="PATTERN: leaves or whole subtrees.",
+    delete: Annotated[_Many, typer.Option("--delete", autocompletion=opt.complete_keypaths, help="PATTERN: leaves or whole subtrees.",
                                           show_default=False)] = None,
-    set_: Annotated[_Many, typer.Option("--set", help="KEYPATH=VALUE: a number broadcast to the leaf's shape "
+    set_: Annotated[_Many, typer.Option("--set", autocompletion=opt.complete_keypaths, help="KEYPATH=VALUE: a number broadcast to the leaf's shape "
                                         "and dtype, or @file.npy.", show_default=False)] = None,
-    cast: Annotated[_Many, typer.Option("--cast", help="PATTERN=DTYPE: wildcards cast float leaves only; a key "
+    cast: Annotated[_Many, typer.Option("--cast", autocompletion=opt.complete_keypaths, help="PATTERN=DTYPE: wildcards cast float leaves only; a key "
                                         "path named exactly is cast whatever its dtype.", show_default=False)] = None,
-    scale: Annotated[_Many, typer.Option("--scale", help="PATTERN=FACTOR: multiply float leaves.",
+    scale: Annotated[_Many, typer.Option("--scale", autocompletion=opt.complete_keypaths, help="PATTERN=FACTOR: multiply float leaves.",
                                          show_default=False)] = None,
     allow_reshape: Annotated[bool, typer.Option("--allow-reshape", help="Let --set @file.npy change the "
                                                 "leaf's shape.")] = False,
