@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         # A name from a file on an ASCII-only terminal (LANG=C) is escaped, never a crash.
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    if args[0] in ("--show-completion", "--install-completion"):
+        return _completion(args)
     with _gc.paused(), _terminating_signals_raise():
         try:
             return _run_app(args)
@@ -98,6 +100,23 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 sys.stderr.write(f"treecli: interrupted by {signal.Signals(e.signum).name}\n")
             return 128 + e.signum
+
+
+def _completion(args: list[str]) -> int:
+    """Typer's --show-completion / --install-completion, with its zsh script fixed to
+    complete on the first TAB of a new shell (see ``_complete.fixed_zsh_script``)."""
+    import io
+    from pathlib import Path
+
+    from treecli.cli._complete import fix_installed_zsh_script, fixed_zsh_script
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        code = _run_app(args)
+    sys.stdout.write(fixed_zsh_script(shown.getvalue()) if args[0] == "--show-completion" else shown.getvalue())
+    if args[0] == "--install-completion":
+        fix_installed_zsh_script(Path.home() / ".zfunc" / "_treecli")
+    return code
 
 
 @contextlib.contextmanager
