@@ -81,7 +81,8 @@ def template(tmp_path_factory) -> Path:
         "head.bias": np.zeros(8, np.float32)})
     for i, name in enumerate(["a", "b", "c", "base", "ft", "ft_a", "ft_b"]):
         save_file(_soup_member(i), str(box / f"{name}.safetensors"))
-        _hf_dir(box / name, _soup_member(i)) if name in ("b", "base", "ft_a", "ft_b") else None
+        if name in ("b", "base", "ft_a", "ft_b"):  # also as directories, as some examples name them
+            _hf_dir(box / name, _soup_member(i))
     for i, name in enumerate(["s100", "s200", "s300", "step_100", "step_200", "step_300"]):
         _hf_dir(box / name, _soup_member(i))
     shutil.copytree(box / "b", box / "converted_dir")

@@ -123,7 +123,10 @@ def _locked_temporary(target: Path, directory: bool) -> tuple[Path, int]:
         os.rename(new, name)
     except BaseException:
         os.close(fd)
-        shutil.rmtree(new, ignore_errors=True) if directory else os.unlink(new)
+        if directory:
+            shutil.rmtree(new, ignore_errors=True)
+        else:
+            os.unlink(new)
         raise
     return name, fd
 
