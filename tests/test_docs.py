@@ -29,11 +29,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NOT_RUN = {"treecli --install-completion"}
 
 
-def _hf_dir(path: Path, tensors: dict, config: bool = True) -> None:
+def _hf_dir(path: Path, tensors: dict) -> None:
     path.mkdir(parents=True)
     save_file(tensors, str(path / "model.safetensors"))
-    if config:
-        (path / "config.json").write_text('{"model_type": "tiny"}')
+    (path / "config.json").write_text('{"model_type": "tiny"}')
 
 
 def _soup_member(seed: int) -> dict:
