@@ -533,3 +533,19 @@ def test_a_failed_directory_sync_after_publishing_says_the_output_exists(cli, tm
     line = result.stderr.strip().splitlines()[0]
     assert line.startswith("treecli: error: ") and "written" in line and "not confirmed" in line
     assert sorted(load_file(str(out))) == sorted(weights())
+
+
+def test_in_place_on_shards_whose_directory_sync_fails_keeps_the_old_checkpoint(cli, sharded_dir, monkeypatch):
+    directory, tensors = sharded_dir
+    before = tree_listing(directory)
+    real = _atomic.fsync_path
+
+    def failing(path):
+        if os.path.isdir(path):
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(_atomic, "fsync_path", failing)
+    result = cli("edit", directory, "--in-place", "--scale", "**=2", "-q")
+    assert_clean_error(result, "unchanged")
+    assert tree_listing(directory) == before  # the old index and every shard it names

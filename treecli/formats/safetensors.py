@@ -614,31 +614,38 @@ def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, opti
     shards = _shards(entries, limit)
     names = _shard_names(len(shards), set(os.listdir(directory)))
     like = os.stat(old_shards[0]) if old_shards else None
+    stale = [old for old in old_shards if old.name not in names]
     written: list[Path] = []
+    weight_map = {}
     try:
-        weight_map = {}
         for name, shard in zip(names, shards):
+            written.append(directory / name)
             with _atomic.atomic_file(directory / name, like=like) as tmp:
                 _write_file(tmp, shard, options.metadata, options)
-            written.append(directory / name)
             weight_map.update({key: name for key, _ in shard})
+    except NotDurableError as e:  # the old index still rules, so nothing was published: say so
+        _unlink_all(written)
+        raise TreecliError(f"cannot write: syncing the directory failed ({e.__cause__}); the checkpoint is "
+                           "unchanged", file=str(directory)) from e
+    except BaseException:  # the old index still rules: the new shards go
+        _unlink_all(written)
+        raise
+    try:
         with _atomic.atomic_file(origin.path, like=os.stat(origin.path)) as tmp:
             _write_index(tmp, entries, weight_map)
     except NotDurableError:  # the new index is in place: its shards stay, the old ones go
-        _remove_stale_shards(old_shards, names)
+        _unlink_all(stale)
         raise
     except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
+        _unlink_all(written)
         raise
-    _remove_stale_shards(old_shards, names)
+    _unlink_all(stale)
     _atomic.fsync_path(directory)
 
 
-def _remove_stale_shards(old_shards: list[Path], kept: list[str]) -> None:
-    for path in old_shards:
-        if path.name not in kept:
-            path.unlink(missing_ok=True)
+def _unlink_all(paths: Any) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def parse_size(text: str) -> int:
