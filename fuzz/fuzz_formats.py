@@ -79,16 +79,9 @@ def reference(data: bytes, ours: dict) -> dict | None:
     if FORMAT == "msgpack":
         from flax import serialization
 
-        out, stack = {}, [((), serialization.msgpack_restore(data))]
-        while stack:
-            keypath, node = stack.pop()
-            if isinstance(node, dict):
-                stack.extend((keypath + (k,), v) for k, v in node.items())
-            elif isinstance(node, (list, tuple)):
-                stack.extend((keypath + (i,), v) for i, v in enumerate(node))
-            elif isinstance(node, np.ndarray):
-                out["/".join(map(str, keypath))] = np.ascontiguousarray(node).tobytes()
-        return out
+        state = serialization.msgpack_restore(data)  # walked as treecli walks trees
+        return {"/".join(map(str, kp)): np.ascontiguousarray(x).tobytes() for kp, x in _tree.flatten(state)
+                if isinstance(x, np.ndarray)}
     return None
 
 

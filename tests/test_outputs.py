@@ -516,10 +516,8 @@ def test_an_output_name_of_250_bytes_is_written(cli, tmp_path):
     assert temporaries(tmp_path) == []
 
 
-def test_a_failed_directory_sync_after_publishing_says_the_output_exists(cli, tmp_path, monkeypatch):
-    src = tmp_path / "m.safetensors"
-    save_file(weights(), str(src))
-    out = tmp_path / "o.safetensors"
+def _fail_directory_syncs(monkeypatch):
+    """Every fsync of a directory (what makes a rename durable) fails with EIO."""
     real = _atomic.fsync_path
 
     def failing(path):
@@ -528,6 +526,13 @@ def test_a_failed_directory_sync_after_publishing_says_the_output_exists(cli, tm
         real(path)
 
     monkeypatch.setattr(_atomic, "fsync_path", failing)
+
+
+def test_a_failed_directory_sync_after_publishing_says_the_output_exists(cli, tmp_path, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    save_file(weights(), str(src))
+    out = tmp_path / "o.safetensors"
+    _fail_directory_syncs(monkeypatch)
     result = cli("edit", src, "-o", out, "--scale", "**=2", "-q")
     assert result.code == 3, result.stderr
     line = result.stderr.strip().splitlines()[0]
@@ -536,16 +541,9 @@ def test_a_failed_directory_sync_after_publishing_says_the_output_exists(cli, tm
 
 
 def test_in_place_on_shards_whose_directory_sync_fails_keeps_the_old_checkpoint(cli, sharded_dir, monkeypatch):
-    directory, tensors = sharded_dir
+    directory, _ = sharded_dir
     before = tree_listing(directory)
-    real = _atomic.fsync_path
-
-    def failing(path):
-        if os.path.isdir(path):
-            raise OSError(errno.EIO, "Input/output error")
-        real(path)
-
-    monkeypatch.setattr(_atomic, "fsync_path", failing)
+    _fail_directory_syncs(monkeypatch)
     result = cli("edit", directory, "--in-place", "--scale", "**=2", "-q")
     assert_clean_error(result, "unchanged")
     assert tree_listing(directory) == before  # the old index and every shard it names

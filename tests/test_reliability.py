@@ -234,18 +234,11 @@ def _npz_reference(content: bytes, keys) -> dict[str, bytes]:
 def _msgpack_reference(content: bytes) -> dict[str, bytes]:
     from flax import serialization
 
+    from treecli import _tree
+
+    # Walked like treecli's trees (only trees treecli accepted get here: not too deep).
     state = serialization.msgpack_restore(content)
-    out = {}
-    stack = [((), state)]
-    while stack:
-        keypath, node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend((keypath + (k,), v) for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            stack.extend((keypath + (i,), v) for i, v in enumerate(node))
-        elif isinstance(node, np.ndarray):
-            out["/".join(map(str, keypath))] = bits(node)
-    return out
+    return {"/".join(map(str, kp)): bits(x) for kp, x in _tree.flatten(state) if isinstance(x, np.ndarray)}
 
 
 @FUZZ

@@ -264,14 +264,12 @@ _LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
 
 
 def _stats_table(header: list[str], rows: list, stats: bool, width: int | None) -> Iterable[Line]:
-    right = {i for i, name in enumerate(header) if i in _right(stats)}
-    if not (stats and width):
-        return table(header, rows, right)
-    names = {i: name for i, name in enumerate(header)}
-    header, rows, dropped = fit_columns(header, rows, width, _LEAST_USEFUL)
-    right = {header.index(names[i]) for i in right if names[i] in header}
-    note = [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else []
-    return itertools.chain(table(header, rows, right), note)
+    right_aligned = {header[i] for i in _right(stats)}
+    dropped: list[str] = []
+    if stats and width:
+        header, rows, dropped = fit_columns(header, rows, width, _LEAST_USEFUL)
+    lines = table(header, rows, {i for i, name in enumerate(header) if name in right_aligned})
+    return itertools.chain(lines, [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else [])
 
 
 def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]]) -> Iterable[Line]:

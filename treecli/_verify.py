@@ -26,12 +26,11 @@ def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
     return {separator.join(str(k) for k in kp): leaf for kp, leaf in _tree.flatten(tree)}
 
 
-def _reference_check(written_path: Path) -> list[str]:
+def _reference_check(written_path: Path, written: dict[str, Any]) -> list[str]:
     """A safetensors output must also open with the reference's own parser
-    (``safetensors.safe_open``), naming the tensors treecli's reader found."""
+    (``safetensors.safe_open``), naming the tensors treecli's reader found (``written``,
+    by stored name)."""
     from safetensors import safe_open
-
-    from treecli.formats import open_checkpoint
 
     files = sorted(written_path.glob("*.safetensors")) if written_path.is_dir() else [written_path]
     names: set[str] = set()
@@ -42,8 +41,7 @@ def _reference_check(written_path: Path) -> list[str]:
                 names.update(reader.keys())
         except Exception as e:  # the reference's own error types
             problems.append(f"{file.name}: the safetensors reference cannot open it: {e}")
-    with open_checkpoint(written_path, "safetensors") as written:
-        ours = {name for name, leaf in stored_names(written.tree, ".").items() if _leaf.is_array(leaf)}
+    ours = {name for name, leaf in written.items() if _leaf.is_array(leaf)}
     if not problems and names != ours:
         problems.append(f"the safetensors reference reads {len(names)} tensors, treecli {len(ours)}")
     return problems
@@ -64,9 +62,9 @@ def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
         total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
         with open_checkpoint(written_path, fmt.name) as written, \
                 (progress("verifying", total) if progress else contextlib.nullcontext(None)) as advance:
-            result = _diff.diff(stored_names(tree, fmt.separator), stored_names(written.tree, fmt.separator),
-                                progress=advance)
-        problems = _reference_check(written_path) if fmt.name == "safetensors" else []
+            written_names = stored_names(written.tree, fmt.separator)
+            result = _diff.diff(stored_names(tree, fmt.separator), written_names, progress=advance)
+        problems = _reference_check(written_path, written_names) if fmt.name == "safetensors" else []
         problems += [f"only in the output: {k}" for k in result.only_in_b]
         problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]
         problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in result.changed]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -45,6 +45,13 @@ OutputOpt = Annotated[
     typer.Option("--output", "-o", help="Output file or directory; the format follows its extension.",
                  show_default=False),
 ]
+def patterns(flag: str, help: str) -> Any:
+    """A repeatable key-path option (``PATTERN=VALUE`` and the like) whose key paths
+    complete from the checkpoint on the command line."""
+    return Annotated[Optional[list[str]], typer.Option(flag, help=help, autocompletion=complete_keypaths,
+                                                       show_default=False)]
+
+
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
 MaxShardOpt = Annotated[
     Optional[str],

@@ -77,7 +77,8 @@ class Output:
 
     def json(self, document: Any) -> None:
         with _writing_stdout():
-            sys.stdout.write(json_text(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)) + "\n")
+            text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)
+            sys.stdout.write(json_text(text) + "\n")
 
     def warn(self, message: str) -> None:
         sys.stderr.write(visible(f"treecli: warning: {message}") + "\n")

@@ -11,24 +11,19 @@ from treecli.cli import _options as opt
 from treecli.cli._common import open_input, write_output
 from treecli.cli._output import Output
 
-_Many = Optional[list[str]]
-
 
 def edit(
     checkpoint: opt.CheckpointArg,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
                                                    show_default=False)] = None,
-    rename: Annotated[_Many, typer.Option("--rename", autocompletion=opt.complete_keypaths, help="OLD=NEW: a key path, a prefix, or ** captures "
-                                          "carried over ('_orig_mod.**=**'). Applied first.",
-                                          show_default=False)] = None,
-    delete: Annotated[_Many, typer.Option("--delete", autocompletion=opt.complete_keypaths, help="PATTERN: leaves or whole subtrees.",
-                                          show_default=False)] = None,
-    set_: Annotated[_Many, typer.Option("--set", autocompletion=opt.complete_keypaths, help="KEYPATH=VALUE: a number broadcast to the leaf's shape "
-                                        "and dtype, or @file.npy.", show_default=False)] = None,
-    cast: Annotated[_Many, typer.Option("--cast", autocompletion=opt.complete_keypaths, help="PATTERN=DTYPE: wildcards cast float leaves only; a key "
-                                        "path named exactly is cast whatever its dtype.", show_default=False)] = None,
-    scale: Annotated[_Many, typer.Option("--scale", autocompletion=opt.complete_keypaths, help="PATTERN=FACTOR: multiply float leaves.",
-                                         show_default=False)] = None,
+    rename: opt.patterns("--rename", "OLD=NEW: a key path, a prefix, or ** captures carried over "
+                         "('_orig_mod.**=**'). Applied first.") = None,
+    delete: opt.patterns("--delete", "PATTERN: leaves or whole subtrees.") = None,
+    set_: opt.patterns("--set", "KEYPATH=VALUE: a number broadcast to the leaf's shape and dtype, or "
+                       "@file.npy.") = None,
+    cast: opt.patterns("--cast", "PATTERN=DTYPE: wildcards cast float leaves only; a key path named exactly is cast "
+                       "whatever its dtype.") = None,
+    scale: opt.patterns("--scale", "PATTERN=FACTOR: multiply float leaves.") = None,
     allow_reshape: Annotated[bool, typer.Option("--allow-reshape", help="Let --set @file.npy change the "
                                                 "leaf's shape.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change (key path, shape and dtype "

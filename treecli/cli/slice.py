@@ -16,9 +16,9 @@ def slice_(
     checkpoint: opt.CheckpointArg,
     index: Annotated[
         list[str],
-        typer.Option("--index", "-i", autocompletion=opt.complete_keypaths, help="[PATTERN=]INDEX, repeatable. INDEX is NumPy basic indexing "
-                     "(0, :2, ...,-1, 1:5:2,:). Without PATTERN: the default for every array leaf.",
-                     show_default=False),
+        typer.Option("--index", "-i", autocompletion=opt.complete_keypaths,
+                     help="[PATTERN=]INDEX, repeatable. INDEX is NumPy basic indexing (0, :2, ...,-1, 1:5:2,:). "
+                     "Without PATTERN: the default for every array leaf.", show_default=False),
     ],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
                                                    show_default=False)] = None,

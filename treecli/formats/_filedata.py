@@ -25,6 +25,11 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a ch
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
 
 
+def special_kind(mode: int) -> str | None:
+    """"a FIFO", "a socket", "a character device", "a block device" for such a file; else None."""
+    return _KINDS.get(stat.S_IFMT(mode)) if stat.S_IFMT(mode) != stat.S_IFDIR else None
+
+
 def refuse_special(path: str | os.PathLike, mode: int) -> None:
     """Only regular files are read: a FIFO would block forever and /dev/zero never ends."""
     if not stat.S_ISREG(mode):

@@ -27,10 +27,7 @@ from typing import Any, Callable, Sequence
 from treecli import _atomic
 from treecli._errors import TreecliError, UsageError
 from treecli.formats._base import Checkpoint, WriteOptions
-
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device"}
-
+from treecli.formats._filedata import special_kind
 
 def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
     """Refuse a target that may not be replaced; return its stat if it exists.
@@ -52,7 +49,7 @@ def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.st
     except FileNotFoundError:
         raise UsageError("output is a dangling symbolic link; remove it first", file=str(target)) from None
     for mode in (link.st_mode, info.st_mode):
-        kind = _KINDS.get(stat.S_IFMT(mode))
+        kind = special_kind(mode)
         if kind:
             raise UsageError(f"output is {kind}; treecli replaces only regular files and checkpoint directories",
                              file=str(target))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,7 @@ def _open(path: Path) -> Checkpoint:
                     raise ValueError(f"shape {list(shape)} of {dtype_name} needs "
                                      f"{math.prod(shape) * dtype.itemsize} bytes, the buffer has {len(buffer)}")
                 if code == _NDARRAY:  # one shared shape tuple and dtype name for a million tiny arrays
-                    return _BytesLeaf(buffer, shapes.setdefault(shape, shape), dtype.name if dtype_name ==
-                                      dtype.name else dtype_name)
+                    return _BytesLeaf(buffer, shapes.setdefault(shape, shape), sys.intern(dtype_name))
                 return np.frombuffer(buffer, dtype).reshape(shape)[()]
             if code == _COMPLEX:
                 real, imag = msgpack.unpackb(data, raw=False)

@@ -200,11 +200,11 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
                               f"({_tree.MAX_DEPTH})", file=str(directory))
         entries.append((keypath, value_type, value.get("write_shape")))
     arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
-    stores = _open_arrays(directory, {kp: ".".join(str(k) for k in kp) for kp, _ in arrays},
+    stores = _open_arrays(directory, {kp: _param_name(kp) for kp, _ in arrays},
                           use_ocdbt=metadata.get("use_ocdbt", True), use_zarr3=bool(metadata.get("use_zarr3")))
     items = []
     for keypath, kind, write_shape in entries:
-        name = ".".join(str(k) for k in keypath)
+        name = _param_name(keypath)
         if kind in _ARRAY_TYPES:
             store = stores[keypath]
             if write_shape is not None and list(store.shape) != list(write_shape):
@@ -222,6 +222,11 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
             checkpoint.warnings.append(f"{name}: value type {kind!r} is not understood; shown as None")
             items.append((keypath, None))
     return _build(items)
+
+
+def _param_name(keypath: tuple) -> str:
+    """The name Orbax stores a leaf under: its keys joined with ``.``."""
+    return ".".join(str(k) for k in keypath)
 
 
 def _build(items: list[tuple[tuple, Any]]) -> Any:
@@ -276,7 +281,7 @@ def _open_arrays(directory: Path, names: dict[tuple, str], *, use_ocdbt: bool, u
         except Exception as e:  # tensorstore raises ValueError and friends with long messages
             message = str(e).splitlines()[0][:200]
             raise FormatError(f"array data is missing or unreadable: {message}", file=str(directory),
-                              keypath=".".join(str(k) for k in keypath)) from None
+                              keypath=names[keypath]) from None
     return stores
 
 
@@ -370,7 +375,7 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
     items = _tree.flatten(tree)
     seen: dict[str, tuple] = {}
     for keypath, _ in items:
-        name = ".".join(str(k) for k in keypath)
+        name = _param_name(keypath)
         if name in seen:
             raise TreecliError(f"key paths {format_keypath(seen[name])} and {format_keypath(keypath)} would both "
                                f"be stored as the Orbax parameter {name!r}; rename one first (treecli edit "

@@ -192,7 +192,7 @@ def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tup
         if end - begin != nbytes:
             raise FormatError(
                 f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {list(shape)} "
-                f"of {dtype} needs {math.prod(shape) * _ITEMSIZE[dtype]}",
+                f"of {dtype} needs {nbytes}",
                 file=file, keypath=name,
             )
         tensors[name] = (dtype, shape, data_start + begin)
