@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import os
 import stat
 import threading
+import weakref
 from typing import Any, BinaryIO, Iterator
 
 from treecli import _dtypes, _index
@@ -73,7 +75,9 @@ class FileReader:
         self.path = str(path)
         self.identity = file_identity if file_identity is not None else identity(os.stat(self.path))
         self.bytes_read = 0
-        self.users = 0  # reads under way (guarded by the pool's lock): the pool never closes it then
+        self.token = next(_tokens)  # the pool's name for it: the pool holds no reference to the reader
+        # A tree from treecli.load() is often just dropped, never closed: its descriptor goes with it.
+        weakref.finalize(self, _POOL.collected, self.token)
 
     def open_checked(self) -> int:
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO took its place
@@ -104,42 +108,65 @@ class FileReader:
         self.bytes_read += done
 
     def close(self) -> None:
-        _POOL.close(self)
+        _POOL.close(self.token)
 
 
 class _DescriptorPool:
     """At most ``limit`` input files open at once, least recently used closed first:
-    a checkpoint of 600 shards works under ``ulimit -n 256``."""
+    a checkpoint of 600 shards works under ``ulimit -n 256``. Keyed by reader
+    token, so that a reader nobody holds any more is collected (and its descriptor
+    closed) rather than kept alive by the pool."""
 
     def __init__(self, limit: int):
         self._limit = limit
         self._lock = threading.Lock()
-        self._open: collections.OrderedDict[FileReader, int] = collections.OrderedDict()
+        self._open: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> [fd, users]
+        self._orphans: collections.deque[int] = collections.deque()  # tokens of collected readers, to close
 
     @contextlib.contextmanager
     def descriptor(self, reader: FileReader) -> Iterator[int]:
         with self._lock:
-            fd = self._open.pop(reader, None)
-            if fd is None:
-                fd = reader.open_checked()
-            self._open[reader] = fd
-            reader.users += 1
-            idle = [r for r in self._open if r.users == 0]
+            self._close_orphans()
+            entry = self._open.pop(reader.token, None)
+            if entry is None:
+                entry = [reader.open_checked(), 0]
+            self._open[reader.token] = entry
+            entry[1] += 1  # reads under way: the pool never closes it then
+            idle = [token for token, (_, users) in self._open.items() if users == 0]
             for oldest in idle[: max(0, len(self._open) - self._limit)]:
-                os.close(self._open.pop(oldest))
+                os.close(self._open.pop(oldest)[0])
         try:
-            yield fd
+            yield entry[0]
         finally:
             with self._lock:
-                reader.users -= 1
+                entry[1] -= 1
 
-    def close(self, reader: FileReader) -> None:
+    def close(self, token: int) -> None:
         with self._lock:
-            fd = self._open.pop(reader, None)
-            if fd is not None:
-                os.close(fd)
+            self._forget(token)
+
+    def collected(self, token: int) -> None:
+        """A reader's finalizer. The collector may run it anywhere, even inside this
+        pool's own locked section on this thread: it never waits for the lock, and
+        leaves the descriptor to the next user of the pool when the lock is taken."""
+        self._orphans.append(token)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_orphans()
+            finally:
+                self._lock.release()
+
+    def _close_orphans(self) -> None:
+        while self._orphans:
+            self._forget(self._orphans.popleft())
+
+    def _forget(self, token: int) -> None:
+        entry = self._open.pop(token, None)
+        if entry is not None:
+            os.close(entry[0])
 
 
+_tokens = itertools.count()
 _POOL = _DescriptorPool(64)
 
 
