@@ -93,7 +93,27 @@ def template(tmp_path_factory) -> Path:
     _manager(box / "run1", (100, 200, 300), 0)
     _manager(box / "run2", (100, 200, 300), 1)
     _manager(box / "runs" / "exp1", (1000, 2000), 2)
+    _equinox_model(box)
     return box
+
+
+MODELS = """
+import equinox as eqx, jax
+
+def make_model():
+    return eqx.nn.MLP(2, 3, 4, 2, key=jax.random.PRNGKey(0))
+"""
+
+
+def _equinox_model(box: Path) -> None:
+    """`mypkg.models:make_model`, a user's model code, and `model.eqx` written by Equinox."""
+    eqx = pytest.importorskip("equinox")
+    (box / "mypkg").mkdir()
+    (box / "mypkg" / "__init__.py").write_text("")
+    (box / "mypkg" / "models.py").write_text(MODELS)
+    import jax
+
+    eqx.tree_serialise_leaves(box / "model.eqx", eqx.nn.MLP(2, 3, 4, 2, key=jax.random.PRNGKey(1)))
 
 
 def _outputs(args: list[str]) -> list[str]:

@@ -77,7 +77,7 @@ def test_two_pattern_rules_on_one_leaf_are_an_error_naming_both():
     tree = {"enc": {"layers": np.zeros((2, 2))}}
     with pytest.raises(KeyPathError) as info:
         slice_tree(tree, ["enc=0", "enc.layers=1"])
-    assert "'enc=0' and 'enc.layers=1'" in str(info.value) and info.value.keypath == "enc.layers"
+    assert "rules='enc=0' and rules='enc.layers=1'" in str(info.value) and info.value.keypath == "enc.layers"
 
 
 def test_misfits_name_the_key_path_shape_and_index():

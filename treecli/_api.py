@@ -1,11 +1,19 @@
-"""The Python API behind ``treecli.load`` / ``treecli.open`` / ``treecli.save``."""
+"""The Python API: every public function takes any JAX pytree and gives back its own type.
+
+The operations underneath (``_average``, ``_slice``, ``_edit``, ``_diff``) and the
+CLI work on native dict / list / tuple trees; these functions convert at the
+boundary (``_pytree``): an ``eqx.Module`` in, an ``eqx.Module`` out. Leaves that
+came in memory (NumPy, JAX) come out in memory, of the same kind; leaves loaded
+lazily from files stay lazy, so that ``save`` streams them.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from treecli.formats import WriteOptions, open_checkpoint, save as _save
+from treecli import _average, _diff, _edit, _pytree, _slice, _tree
+from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
 
 
@@ -22,15 +30,40 @@ def open(path: str | Path, format: str | None = None, **options: Any) -> Checkpo
     return open_checkpoint(path, format, **options)
 
 
-def load(path: str | Path, format: str | None = None, **options: Any) -> Any:
-    """The tree of a checkpoint, with lazy leaves (``np.asarray(leaf)`` reads one).
+def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy: bool | None = None,
+         **options: Any) -> Any:
+    """The tree of a checkpoint.
+
+    Args:
+        like: a template pytree (a model, a ``TrainState``, ``jax.eval_shape``'s
+            output): the result is the template's own type, its data leaves taken
+            from the file by key path (by order for an ``.eqx`` file), shapes and
+            dtypes checked. Its other leaves (functions, static fields) come from
+            the template.
+        lazy: lazy leaves (``np.asarray(leaf)`` or ``leaf[0]`` reads only what it
+            needs) or arrays read now (of the template's kind: JAX arrays for JAX
+            arrays and ``ShapeDtypeStruct``\\ s, else NumPy). Default: lazy without
+            ``like``, arrays with it. Arrays go straight into ``jax.jit``.
+
+    Raises:
+        FormatError: the file is not a valid checkpoint.
+        StructureError: the file does not fit ``like`` (differences listed).
 
     Example:
-        >>> tree = treecli.load("model.safetensors")
-        >>> tree["model"]["embed_tokens"]["weight"].read((slice(0, 2),)).shape
-        (2, 4096)
+        >>> model = treecli.load("model.safetensors", like=eqx.filter_eval_shape(make_model))
     """
-    return open_checkpoint(path, format, **options).tree
+    template = None if like is None else _pytree.structure(like)
+    lazy = like is None if lazy is None else lazy
+    checkpoint = open_checkpoint(path, format, like=template, **options)
+    if template is not None:
+        tree = _pytree.fill(template, checkpoint.tree, file=str(path), lazy=lazy)
+    elif lazy:
+        tree = checkpoint.tree
+    else:
+        tree = _pytree.in_memory(checkpoint.tree, {})
+    if not lazy:
+        checkpoint.close()
+    return tree
 
 
 def save(
@@ -41,14 +74,118 @@ def save(
     metadata: dict[str, Any] | None = None,
     max_shard_size: int | None = None,
     force: bool = False,
+    drop_unsupported: bool = False,
 ) -> Path:
-    """Write a tree (lazy, NumPy or JAX leaves) atomically, streaming leaf by leaf.
+    """Write any pytree (lazy, NumPy or JAX leaves) atomically, streaming leaf by leaf.
 
-    The format follows ``format``, else the extension of ``path``.
+    The format follows ``format``, else the extension of ``path``. A pytree's
+    key paths name its leaves (``layers.0.weight``); an ``.eqx`` output keeps
+    the order ``eqx.tree_serialise_leaves`` writes, so Equinox reads it back.
+    Python numbers are stored as 0-d arrays (``3`` as int64, as Equinox and Orbax
+    do), except in msgpack, which holds them as they are.
 
     Raises:
         UsageError: ``path`` exists and ``force`` is false.
-        TreecliError: the format cannot hold some leaves.
+        TreecliError: the format cannot hold some leaves (``drop_unsupported=True``
+            drops them with a warning).
     """
-    options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size)
-    return _save(tree, path, format=format, options=options, force=force)
+    native, structure = _pytree.to_native(tree)
+    fmt, _ = output_format(Path(path), format, None)
+    if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0: a 0-d int64, as Orbax stores it too
+        native = _tree.map_leaves(lambda _, x: _pytree.number_array(x), native)
+    options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size,
+                           drop_unsupported=drop_unsupported, leaf_order=structure.order if structure else None)
+    return _save(native, path, format=format, options=options, force=force)
+
+
+def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **options: Any) -> tuple[Any, Any]:
+    """The weighted average of pytrees with the same key paths, shapes and dtypes,
+    as the first one's type.
+
+    Options (``names``, ``normalize``, ``dtype``, ``non_float``) and the report
+    are those of ``treecli._average.average``: float leaves are averaged in
+    float64 and cast back to their dtype; integer, bool and non-array leaves
+    that differ are copied from the last input (``non_float="first"``, or
+    ``"error"`` to refuse).
+
+    Example:
+        >>> soup, report = treecli.average([model_a, model_b], [0.3, 0.7])
+    """
+    natives, structures = zip(*(_pytree.to_native(t) for t in trees)) if trees else ((), ())
+    result, report = _average.average(list(natives), None if weights is None else list(weights), **options)
+    return _finish(result, natives, structures[0]), report
+
+
+def slice_tree(tree: Any, rules: Sequence[Any]) -> tuple[Any, Any]:
+    """Index the leaves of any pytree by rules (``"layers.*.weight=0"``, ``":1"``); see
+    ``treecli._slice.slice_tree``. Returns the tree, of its own type, and a report."""
+    native, structure = _pytree.to_native(tree)
+    result, report = _slice.slice_tree(native, list(rules))
+    return _finish(result, [native], structure), report
+
+
+def edit(tree: Any, edits: _edit.Edits) -> tuple[Any, Any]:
+    """Rename, delete, set, cast and scale leaves of any pytree by key path; see
+    ``treecli._edit.edit``. A result whose key paths changed (a rename or delete)
+    comes back as nested dicts: the original type cannot hold them."""
+    native, structure = _pytree.to_native(tree)
+    result, report = _edit.edit(native, edits)
+    return _finish(result, [native], structure), report
+
+
+def diff(a: Any, b: Any, **options: Any) -> _diff.DiffResult:
+    """Compare two pytrees (or checkpoints' trees) leaf by leaf, by key-path text:
+    ``layers.0.weight`` of a module matches ``layers.0.weight`` of a safetensors
+    file. Options: ``rtol``, ``atol``, ``where`` (see ``treecli._diff.diff``)."""
+    def native(tree: Any) -> Any:  # a Python number compares with the 0-d array it is saved as
+        return _tree.map_leaves(lambda _, x: _pytree.number_array(x), _pytree.to_native(tree)[0])
+
+    return _diff.diff(native(a), native(b), **options)
+
+
+def at(tree: Any, where: str | list[str], replace: Any = _edit.MISSING,
+       replace_fn: Callable[[Any], Any] | None = None) -> Any:
+    """``eqx.tree_at`` with key-path strings (treecli's ``layers.0.bias`` or JAX's
+    ``.layers[0].bias``): a new tree with the nodes at ``where`` replaced.
+
+    Any node can be named, leaf or subtree (a whole ``eqx.nn.Linear``), and is
+    rebuilt through its own type without calling ``__init__``.
+
+    Args:
+        where: a key path, or a list of them (each must name one existing node).
+        replace: the new value (a list of values, one per key path, when ``where`` is a list).
+        replace_fn: or a function of the old node (exactly one of the two).
+
+    Raises:
+        KeyPathError: a key path that names no node (closest named) or several.
+
+    Example:
+        >>> treecli.at(model, "layers.0.bias", replace_fn=jnp.zeros_like)
+    """
+    if _pytree.is_native(tree):
+        return _edit.at(tree, where, replace, replace_fn)
+    wheres, values = _edit.pair_up(where, replace, replace_fn)
+    for text, value in zip(wheres, values):
+        _, jax_path, old = _pytree.find_one(tree, text)
+        tree = _pytree.replace(tree, jax_path, replace_fn(old) if replace_fn else value)
+    return tree
+
+
+def jax_keypath(tree: Any, keypath: str) -> tuple:
+    """The JAX key path (``GetAttrKey``, ``SequenceKey``, ``DictKey`` entries) of the one
+    node a treecli key path names in ``tree``; ``treecli.format_keypath`` goes back.
+
+    Example:
+        >>> treecli.jax_keypath(model, "layers.0.bias")
+        (GetAttrKey(name='layers'), SequenceKey(idx=0), GetAttrKey(name='bias'))
+    """
+    return _pytree.find_one(tree, keypath)[1]
+
+
+def _finish(result: Any, inputs: Sequence[Any], structure: _pytree.Structure | None) -> Any:
+    """In memory in, in memory out; then the first input's own type."""
+    if inputs and not any(_pytree.is_lazy(t) for t in inputs):
+        result = _pytree.in_memory(result, inputs[0])
+    return structure.rebuild(result) if structure is not None else result
+
+

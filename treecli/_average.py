@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from treecli import _dtypes, _leaf, _tree
-from treecli._errors import StructureError, UsageError
+from treecli._errors import StructureError, UsageError, option
 from treecli._keypath import format_keypath
 
 # Elements per inner step, and per block handed to a thread, with float64 buffers.
@@ -128,11 +128,12 @@ def average(
             weights = [w / largest for w in weights]
             total = math.fsum(weights)
         if total == 0:
-            raise UsageError("the weights sum to 0 and cannot be normalized; use --no-normalize for task arithmetic")
+            raise UsageError("the weights sum to 0 and cannot be normalized; use "
+                             f"{option('normalize', False)} for task arithmetic")
         weights = [w / total for w in weights]
     out_dtype = _dtypes.parse(dtype) if dtype else None
     if out_dtype and not _dtypes.is_float(out_dtype):
-        raise UsageError(f"--dtype {dtype}: the output of an average must be a floating-point dtype")
+        raise UsageError(f"{option('dtype', dtype)}: the output of an average must be a floating-point dtype")
 
     differences = _tree.structure_differences(trees, names)
     if differences:
@@ -162,7 +163,7 @@ def average(
     if mismatched:
         raise StructureError(
             f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be averaged "
-            "(use --non-float last or first to copy them from one input)",
+            f"(use {option('non_float', 'last')} or 'first' to copy them from one input)",
             details=mismatched,
         )
     return result, report

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli import _dtypes, _errors, _keypath, _leaf, _tree
 from treecli._errors import KeyPathError, UsageError
 from treecli._keypath import format_keypath
 
@@ -81,7 +81,7 @@ def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
 
 def _rename(items, origin, rules, what):
     for text in rules:
-        old_text, new_text = _split(text, "--rename", "OLD=NEW")
+        old_text, new_text = _split(text, "rename", "OLD=NEW")
         pattern, template = _keypath.parse(old_text), _keypath.parse(new_text)
         renamed: dict[tuple, tuple] = {}
         for keypath, _ in items:
@@ -90,7 +90,7 @@ def _rename(items, origin, rules, what):
                 length, captures = found
                 renamed[keypath] = _keypath.fill_template(template, captures, new_text) + tuple(keypath[length:])
         if not renamed:
-            raise _no_match(items, old_text, f"--rename {text!r} matches nothing")
+            raise _no_match(items, old_text, f"{_errors.option('rename', text)} matches nothing")
         _check_collisions(items, renamed, text)
         items = [(renamed.get(kp, kp), leaf) for kp, leaf in items]
         origin = {renamed.get(kp, kp): origin[kp] for kp in origin}
@@ -103,14 +103,16 @@ def _check_collisions(items, renamed, text):
     targets: dict[tuple, tuple] = {}
     for old, new in renamed.items():
         if new in targets:
-            raise KeyPathError(f"--rename {text!r} sends {format_keypath(targets[new])} and {format_keypath(old)} "
+            raise KeyPathError(f"{_errors.option('rename', text)} sends {format_keypath(targets[new])} and "
+                               f"{format_keypath(old)} "
                                "to the same key path", keypath=format_keypath(new))
         targets[new] = old
     staying = {kp for kp, _ in items if kp not in renamed}
     for new, old in targets.items():
         clash = next((kp for kp in staying if kp == new or kp[: len(new)] == new or new[: len(kp)] == kp), None)
         if clash is not None:
-            raise KeyPathError(f"--rename {text!r} moves {format_keypath(old)} onto the existing {format_keypath(clash)}",
+            raise KeyPathError(f"{_errors.option('rename', text)} moves {format_keypath(old)} onto the existing "
+                               f"{format_keypath(clash)}",
                                keypath=format_keypath(new))
 
 
@@ -120,17 +122,18 @@ def _check_collisions(items, renamed, text):
 def _delete(items, patterns, sets, report, origin, describe, what):
     set_paths = {}
     for text in sets:
-        target, _ = _split(text, "--set", "KEYPATH=VALUE")
+        target, _ = _split(text, "set", "KEYPATH=VALUE")
         set_paths[target] = _keypath.parse(target)
     kept = items
     for text in patterns:
         pattern = _keypath.parse(text)
         gone = {kp for kp, _ in kept if _keypath.covers(pattern, kp)}
         if not gone:
-            raise _no_match(kept, text, f"--delete {text!r} matches nothing")
+            raise _no_match(kept, text, f"{_errors.option('delete', text)} matches nothing")
         for target, parsed in set_paths.items():
             if any(_keypath.matches(parsed, kp) for kp in gone):
-                raise KeyPathError(f"both deleted by --delete {text!r} and set by --set", keypath=target)
+                raise KeyPathError(f"both deleted by {_errors.option('delete', text)} and set by "
+                                   f"{_errors.option('set', target)}", keypath=target)
         for kp, _ in kept:
             if kp in gone:
                 what.pop(kp, None)
@@ -143,18 +146,19 @@ def _delete(items, patterns, sets, report, origin, describe, what):
 
 
 def _set(leaves, text, allow_reshape, what, report):
-    target_text, value_text = _split(text, "--set", "KEYPATH=VALUE")
-    keypath = _resolve_one(leaves, target_text, "--set")
+    target_text, value_text = _split(text, "set", "KEYPATH=VALUE")
+    keypath = _resolve_one(leaves, target_text, "set")
     old = leaves[keypath]
     if value_text.startswith("@"):
         new = _from_npy(Path(value_text[1:]), old, allow_reshape, target_text, report)
     else:
-        value = _parse_number(value_text, f"--set {text!r}")
+        value = _parse_number(value_text, _errors.option("set", text))
         if _leaf.is_array(old):
             old_leaf = _leaf.as_leaf(old)
             new = _constant_leaf(old_leaf.shape, old_leaf.dtype_name, value, target_text, report)
         elif old is None:
-            raise UsageError("a None leaf can only be set from a file: --set KEYPATH=@value.npy", keypath=target_text)
+            raise UsageError(f"a None leaf can only be set from a file: {_errors.option('set', 'KEYPATH=@value.npy')}",
+                             keypath=target_text)
         elif isinstance(old, (int, float, bool)) or old.__class__.__module__ == "numpy":
             new = type(old)(value) if isinstance(old, (int, float, bool)) else value
         else:
@@ -204,7 +208,8 @@ def _from_npy(path: Path, old, allow_reshape, keypath, report):
     old_leaf = _leaf.as_leaf(old)
     if tuple(array.shape) != old_leaf.shape and not allow_reshape:
         raise UsageError(f"shape {list(array.shape)} does not match the leaf's {list(old_leaf.shape)} "
-                         "(use --allow-reshape to replace the shape too)", file=str(path), keypath=keypath)
+                         f"(use {_errors.option('allow_reshape')} to replace the shape too)", file=str(path),
+                         keypath=keypath)
     source = _leaf.InMemoryLeaf(array)
     if source.dtype_name == old_leaf.dtype_name:
         return source
@@ -215,9 +220,9 @@ def _from_npy(path: Path, old, allow_reshape, keypath, report):
 
 
 def _cast(leaves, text, what, report):
-    pattern_text, dtype_text = _split(text, "--cast", "PATTERN=DTYPE")
+    pattern_text, dtype_text = _split(text, "cast", "PATTERN=DTYPE")
     dtype_name = _dtypes.parse(dtype_text)
-    keypaths = _targets(leaves, pattern_text, "--cast")
+    keypaths = _targets(leaves, pattern_text, "cast")
     for keypath in keypaths:
         old = leaves[keypath]
         leaf = _leaf.as_leaf(old)
@@ -254,11 +259,11 @@ def cast_leaf(source, dtype_name, keypath, report):
 def _scale(leaves, text, what, report):
     import numpy as np
 
-    pattern_text, factor_text = _split(text, "--scale", "PATTERN=FACTOR")
-    factor = _parse_number(factor_text, f"--scale {text!r}")
+    pattern_text, factor_text = _split(text, "scale", "PATTERN=FACTOR")
+    factor = _parse_number(factor_text, _errors.option("scale", text))
     if not math.isfinite(factor):
-        raise UsageError(f"--scale {text!r}: the factor must be a finite number")
-    for keypath in _targets(leaves, pattern_text, "--scale"):
+        raise UsageError(f"{_errors.option('scale', text)}: the factor must be a finite number")
+    for keypath in _targets(leaves, pattern_text, "scale"):
         source = _leaf.as_leaf(leaves[keypath])
 
         def compute(start, stop, source=source):
@@ -269,54 +274,56 @@ def _scale(leaves, text, what, report):
         what.setdefault(keypath, []).append(f"scaled by {factor:g}")
 
 
-def _targets(leaves, pattern_text, option) -> list[tuple]:
+def _targets(leaves, pattern_text, name) -> list[tuple]:
     """Leaves a cast/scale pattern addresses: a wildcard pattern takes float leaves only;
     a key path named exactly is taken whatever its dtype (scale still needs a float)."""
     pattern = _keypath.parse(pattern_text)
     covered = [kp for kp in leaves if _keypath.covers(pattern, kp)]
     if not covered:
-        raise _no_match(leaves.items(), pattern_text, f"{option} {pattern_text!r} matches nothing")
+        raise _no_match(leaves.items(), pattern_text, f"{_errors.option(name, pattern_text)} matches nothing")
     exact = _keypath.is_literal(pattern) and len(covered) == 1 and _keypath.matches(pattern, covered[0])
     arrays = [kp for kp in covered if _leaf.is_array(leaves[kp])]
     if exact:
         if not arrays:
-            raise UsageError(f"{option}: not an array ({_tree.describe_leaf(leaves[covered[0]])})",
+            raise UsageError(f"{_errors.option(name, pattern_text)}: not an array "
+                             f"({_tree.describe_leaf(leaves[covered[0]])})",
                              keypath=format_keypath(covered[0]))
-        if option == "--scale" and not _dtypes.is_float(_leaf.as_leaf(leaves[arrays[0]]).dtype_name):
-            raise UsageError(f"--scale applies to floating-point leaves; this one is "
+        if name == "scale" and not _dtypes.is_float(_leaf.as_leaf(leaves[arrays[0]]).dtype_name):
+            raise UsageError(f"{_errors.option(name, pattern_text)}: scaling applies to floating-point leaves; "
+                             f"this one is "
                              f"{_leaf.as_leaf(leaves[arrays[0]]).dtype_name}", keypath=format_keypath(arrays[0]))
         return arrays
     floats = [kp for kp in arrays if _dtypes.is_float(_leaf.as_leaf(leaves[kp]).dtype_name)]
     if not floats:
-        raise KeyPathError(f"{option} {pattern_text!r} matches no floating-point leaf", keypath=pattern_text)
+        raise KeyPathError(f"{_errors.option(name, pattern_text)} matches no floating-point leaf", keypath=pattern_text)
     return floats
 
 
 # --- helpers --------------------------------------------------------------------------------
 
 
-def _split(text: str, option: str, form: str) -> tuple[str, str]:
+def _split(text: str, name: str, form: str) -> tuple[str, str]:
     try:
         left, right = _keypath.split_assignment(text)
     except KeyPathError:
-        raise UsageError(f"{option} {text!r}: expected {form}") from None
+        raise UsageError(f"{_errors.option(name, text)}: expected {form}") from None
     left, right = left.strip(), right.strip()
     if not left or not right:
-        raise UsageError(f"{option} {text!r}: expected {form}")
+        raise UsageError(f"{_errors.option(name, text)}: expected {form}")
     _keypath.parse(left)
     return left, right
 
 
-def _resolve_one(leaves: dict, text: str, option: str) -> tuple:
+def _resolve_one(leaves: dict, text: str, name: str) -> tuple:
     pattern = _keypath.parse(text)
     exact = [kp for kp in leaves if _keypath.matches(pattern, kp)]
     if len(exact) == 1:
         return exact[0]
     if len(exact) > 1:
-        raise UsageError(f"{option} names one leaf; {text!r} matches {len(exact)}", keypath=text)
+        raise UsageError(f"{_errors.option(name, text)} names one leaf; it matches {len(exact)}", keypath=text)
     under = [kp for kp in leaves if _keypath.covers(pattern, kp)]
     if under:
-        raise UsageError(f"{option}: {text!r} is a subtree of {len(under)} leaves, not a leaf; "
+        raise UsageError(f"{_errors.option(name, text)}: a subtree of {len(under)} leaves, not a leaf; "
                          f"set each leaf (e.g. {format_keypath(under[0])})", keypath=text)
     raise _no_match(leaves.items(), text, "no such key path")
 
@@ -338,36 +345,17 @@ def _parse_number(text: str, where: str) -> float:
     return int(value) if value.is_integer() and "." not in text and "e" not in lowered else value
 
 
-_MISSING = object()
+MISSING = object()  # at()'s "no replace= given": None is a value one may well put in
 
 
-def at(tree: Any, where: str | list[str], replace: Any = _MISSING,
+def at(tree: Any, where: str | list[str], replace: Any = MISSING,
        replace_fn: Callable[[Any], Any] | None = None) -> Any:
-    """``eqx.tree_at`` with key-path strings: a new tree with the nodes at ``where`` replaced.
-
-    Args:
-        where: a key path, or a list of them (each must name one existing node;
-            ``None`` leaves can be addressed).
-        replace: the new value (a list of values, one per key path, when ``where`` is a list).
-        replace_fn: or a function of the old node (exactly one of the two).
+    """``eqx.tree_at`` with key-path strings, on a native tree (``treecli.at`` takes any pytree).
 
     Raises:
         KeyPathError: a key path that names no node (closest named) or several.
-
-    Example:
-        >>> treecli.at(params, "head.bias", replace_fn=np.zeros_like)
     """
-    if (replace is _MISSING) == (replace_fn is None):
-        raise UsageError("at() takes exactly one of replace= and replace_fn=")
-    wheres = [where] if isinstance(where, str) else list(where)
-    if replace_fn is not None:
-        values = [None] * len(wheres)
-    elif isinstance(where, str):
-        values = [replace]
-    else:
-        values = list(replace)
-        if len(values) != len(wheres):
-            raise UsageError(f"{len(values)} replacements for {len(wheres)} key paths")
+    wheres, values = pair_up(where, replace, replace_fn)
     for text, value in zip(wheres, values):
         found = _tree.find(tree, text)
         if len(found) != 1:
@@ -375,6 +363,25 @@ def at(tree: Any, where: str | list[str], replace: Any = _MISSING,
                    else KeyPathError(f"names {len(found)} nodes; give one key path", keypath=text))
         tree = _replace(tree, found[0], replace_fn(_tree.get(tree, found[0])) if replace_fn else value)
     return tree
+
+
+def pair_up(where: str | list[str], replace: Any, replace_fn: Callable[[Any], Any] | None) -> tuple[list, list]:
+    """``at()``'s key paths and their values (``None`` each with ``replace_fn``).
+
+    Raises:
+        UsageError: not exactly one of ``replace`` and ``replace_fn``, or as many values as key paths.
+    """
+    if (replace is MISSING) == (replace_fn is None):
+        raise UsageError("at() takes exactly one of replace= and replace_fn=")
+    wheres = [where] if isinstance(where, str) else list(where)
+    if replace_fn is not None:
+        return wheres, [None] * len(wheres)
+    if isinstance(where, str):
+        return wheres, [replace]
+    values = list(replace)
+    if len(values) != len(wheres):
+        raise UsageError(f"{len(values)} replacements for {len(wheres)} key paths")
+    return wheres, values
 
 
 def _replace(node: Any, keypath: tuple, value: Any) -> Any:

@@ -3,7 +3,47 @@ into one line ``treecli: error: FILE: KEYPATH: what is wrong`` and exit code 2."
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import contextvars
+from typing import Any, Iterator, Sequence
+
+# Whose words an error uses for an option: the Python API's parameter names, or,
+# inside the CLI's boundary, its flags (``drop_unsupported=True`` / ``--drop-unsupported``).
+_SPEAKING_CLI = contextvars.ContextVar("treecli_speaking_cli", default=False)
+
+# Flags whose spelling is not the parameter's with dashes.
+_FLAGS = {"rules": "--index"}
+
+
+@contextlib.contextmanager
+def cli_voice() -> Iterator[None]:
+    """Within this block, errors name options as the CLI spells them."""
+    token = _SPEAKING_CLI.set(True)
+    try:
+        yield
+    finally:
+        _SPEAKING_CLI.reset(token)
+
+
+def option(name: str, value: Any = True) -> str:
+    """An option as the caller wrote it: ``force=True`` from Python, ``--force`` from the shell.
+
+    ``value`` is what the option is given: ``True`` for a bare flag, ``False`` for
+    its ``--no-`` form, else a value shown as Python shows it.
+    """
+    if not _SPEAKING_CLI.get():
+        return f"{name}={value!r}"
+    flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+    if value is True:
+        return flag
+    if value is False:
+        return "--no-" + flag[2:]
+    return f"{flag} {value!r}" if isinstance(value, str) else f"{flag} {value}"
+
+
+def in_cli(text: str) -> str:
+    """``text`` inside the CLI (a hint about a flag the Python API has no twin of), else nothing."""
+    return text if _SPEAKING_CLI.get() else ""
 
 
 class TreecliError(Exception):

@@ -71,6 +71,19 @@ def _glob_regex(glob: str) -> re.Pattern:
 # format
 
 
+def plain_key(key: object) -> str | int:
+    """A key as treecli spells it: ``str`` and ``int`` as they are, and JAX's key-path
+    entries by what they hold (``GetAttrKey('mu')`` -> ``"mu"``, ``SequenceKey(0)`` -> ``0``,
+    ``DictKey('a')`` -> ``"a"``), so that a path in memory reads like the same path on disk."""
+    if isinstance(key, (str, int)):
+        return key
+    for attribute in ("name", "key", "idx"):  # GetAttrKey, DictKey / FlattenedIndexKey, SequenceKey
+        value = getattr(key, attribute, None)
+        if isinstance(value, (str, int)):
+            return value
+    return str(key)
+
+
 @lru_cache(maxsize=1 << 16, typed=True)  # keys repeat: "weight" 200k times in a big checkpoint
 def format_key(key: str | int) -> str:
     """Format one key as it appears in a key path (without the joining dot)."""
@@ -86,6 +99,9 @@ def format_key(key: str | int) -> str:
 def format_keypath(keypath: Sequence[str | int]) -> str:
     """Format a key path tuple as text: ``("model", "layers", "0")`` -> ``model.layers.0``.
 
+    A JAX key path (``jax.tree_util.tree_flatten_with_path``) formats the same
+    way: ``(GetAttrKey('layers'), SequenceKey(0), GetAttrKey('bias'))`` -> ``layers.0.bias``.
+
     Keys that contain ``.``, ``=``, ``*``, brackets, quotes, white space or
     terminal controls, or are empty, are written in brackets and quotes, with
     JSON escapes: ``model["a.b"].weight``, ``["\\u202egnp.exe"]``.
@@ -93,7 +109,7 @@ def format_keypath(keypath: Sequence[str | int]) -> str:
     """
     out: list[str] = []
     for key in keypath:
-        text = format_key(key)
+        text = format_key(key if isinstance(key, (str, int)) else plain_key(key))
         if out and not text.startswith("["):
             out.append(".")
         out.append(text)
@@ -108,7 +124,8 @@ def parse(text: str) -> Pattern:
     """Parse a key path or pattern into a tuple of :class:`Segment`.
 
     Accepts the dotted form (``a.b.0``), brackets with quoted keys or integer
-    indices (``a["x.y"][0]``) and JAX's ``keystr`` form (``['a']['b'][0]``).
+    indices (``a["x.y"][0]``) and JAX's ``keystr`` forms (``['a']['b'][0]``,
+    ``.layers[0].bias``).
 
     Raises:
         KeyPathSyntaxError: with the position of the offending character.
@@ -118,6 +135,8 @@ def parse(text: str) -> Pattern:
     if n == 0:
         return ()
     expect_segment = True  # at the start, or just after a dot
+    if text[0] == "." and n > 1 and text[1] not in ".[":
+        i = 1  # JAX's keystr writes an attribute first as `.layers[0].bias`
     while i < n:
         ch = text[i]
         if ch == "[":

@@ -88,6 +88,10 @@ class ArrayLeaf:
         for start in range(0, self.size, step):
             yield start, min(self.size, start + step)
 
+    def __getitem__(self, index: Any):
+        """``leaf[index]``: reads only what the index needs where the format allows."""
+        return self.read(index)
+
     def __array__(self, dtype=None, copy=None):
         data = self.read()
         return data if dtype is None else data.astype(dtype)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treecli import _index, _keypath, _leaf, _tree
-from treecli._errors import KeyPathError, UsageError
+from treecli._errors import KeyPathError, UsageError, option
 from treecli._keypath import format_keypath
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf, ComputedLeaf
 
@@ -44,7 +44,7 @@ class Rule:
         try:
             index = _index.parse(index_text)
         except UsageError as e:
-            raise UsageError(f"--index {text!r}: {e.message}") from None
+            raise UsageError(f"{option('rules', text)}: {e.message}") from None
         return cls(text, pattern, index)
 
 
@@ -68,12 +68,13 @@ def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
     rules = [Rule.parse(r) if isinstance(r, str) else r for r in rules]
     defaults = [r for r in rules if r.pattern is None]
     if len(defaults) > 1:
-        raise UsageError(f"two default --index rules ({defaults[0].text!r}, {defaults[1].text!r}); give one")
+        raise UsageError(f"two default rules ({option('rules', defaults[0].text)}, "
+                         f"{option('rules', defaults[1].text)}); give one")
     default = defaults[0] if defaults else None
     pattern_rules = [(r, _keypath.parse(r.pattern)) for r in rules if r.pattern is not None]
     for rule, parsed in pattern_rules:
         if not any(_keypath.matches(parsed, kp) for kp, _ in _tree.iter_nodes(tree)):
-            raise _tree.no_match(tree, rule.pattern, f"--index {rule.text!r} matches nothing")
+            raise _tree.no_match(tree, rule.pattern, f"{option('rules', rule.text)} matches nothing")
 
     report = SliceReport()
 
@@ -81,7 +82,8 @@ def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
         text = format_keypath(keypath)
         hits = [rule for rule, parsed in pattern_rules if _keypath.covers(parsed, keypath)]
         if len(hits) > 1:
-            raise KeyPathError(f"matched by two --index rules: {hits[0].text!r} and {hits[1].text!r}", keypath=text)
+            raise KeyPathError(f"matched by two rules: {option('rules', hits[0].text)} and "
+                               f"{option('rules', hits[1].text)}", keypath=text)
         if not _leaf.is_array(leaf):
             report.passed_through += 1
             return leaf

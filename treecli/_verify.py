@@ -17,6 +17,7 @@ from typing import Any, Callable, ContextManager
 from treecli import _diff, _leaf, _tree
 from treecli._errors import TreecliError
 from treecli._keypath import format_keypath
+from treecli.formats._base import WriteOptions
 
 
 def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
@@ -47,9 +48,22 @@ def _reference_check(written_path: Path, written: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | None) -> tuple[dict, dict]:
+    """Both sides by stored name; an ``.eqx`` file stores no names, so record *i* is
+    named after the *i*-th leaf the writer took (in the model's order)."""
+    if fmt.name != "eqx":
+        return stored_names(tree, fmt.separator), stored_names(written, fmt.separator)
+    from treecli.formats import eqx
+
+    taken = eqx.records(tree, WriteOptions(drop_unsupported=True, leaf_order=leaf_order), "")
+    return ({f"[{i}] {text}": leaf for i, (text, leaf) in enumerate(taken)},
+            {f"[{i}] {text}": leaf for i, ((text, _), leaf) in enumerate(zip(taken, written))}
+            | {f"[{i}]": leaf for i, leaf in enumerate(written) if i >= len(taken)})
+
+
 def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
-             progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None
-             ) -> Callable[[Path], None]:
+             progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None,
+             leaf_order: list | None = None) -> Callable[[Path], None]:
     """A check of a finished temporary against ``tree``, raising on any difference.
 
     ``progress(description, total_bytes)``, when given, is a context giving an
@@ -62,8 +76,8 @@ def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
         total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
         with open_checkpoint(written_path, fmt.name) as written, \
                 (progress("verifying", total) if progress else contextlib.nullcontext(None)) as advance:
-            written_names = stored_names(written.tree, fmt.separator)
-            result = _diff.diff(stored_names(tree, fmt.separator), written_names, progress=advance)
+            expected, written_names = _expected_and_written(tree, written.tree, fmt, leaf_order)
+            result = _diff.diff(expected, written_names, progress=advance)
         problems = _reference_check(written_path, written_names) if fmt.name == "safetensors" else []
         problems += [f"only in the output: {k}" for k in result.only_in_b]
         problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]

@@ -137,11 +137,12 @@ def _terminating_signals_raise():
 
 
 def _run_app(args: list[str]) -> int:
-    from treecli._errors import NotDurableError, TreecliError
+    from treecli._errors import NotDurableError, TreecliError, cli_voice
     from treecli.cli._output import OutputClosed
 
     try:
-        result = app(args=args, prog_name="treecli", standalone_mode=False)
+        with cli_voice():  # errors name --flags, not the library's parameters
+            result = app(args=args, prog_name="treecli", standalone_mode=False)
         if result == ExitStatus.INTERRUPTED:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
             sys.stderr.write("treecli: interrupted\n")
         return result if isinstance(result, int) else ExitStatus.OK

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -10,12 +11,30 @@ from treecli.formats import WriteOptions, open_checkpoint, save
 from treecli.formats._base import Checkpoint
 
 
-def open_input(out: Output, path: Path, format: str | None = None, step: int | None = None) -> Checkpoint:
-    """Open a checkpoint and pass its warnings on to stderr."""
-    checkpoint = open_checkpoint(path, format, step=step)
+def open_input(out: Output, path: Path, format: str | None = None, step: int | None = None,
+               like: str | None = None) -> Checkpoint:
+    """Open a checkpoint and pass its warnings on to stderr.
+
+    ``like`` (``--like MODULE:ATTR``) names the model whose key paths and leaf
+    order the checkpoint follows: an ``.eqx`` file's records get its names, and
+    an ``.eqx`` output its order.
+    """
+    structure = None if like is None else template(like)
+    checkpoint = open_checkpoint(path, format, step=step, like=structure)
+    if structure is not None:
+        checkpoint.leaf_order = structure.order
     for warning in checkpoint.warnings:
         out.warn(f"{path}: {warning}")
     return checkpoint
+
+
+@functools.lru_cache(maxsize=None)  # `average a.eqx b.eqx --like ...` builds it once
+def template(spec: str) -> Any:
+    """The :class:`~treecli._pytree.Structure` of the model ``--like MODULE:ATTR`` names.
+    Runs the user's own code, never anything from a checkpoint."""
+    from treecli import _pytree
+
+    return _pytree.structure(_pytree.import_template(spec))
 
 
 def write_output(
@@ -50,6 +69,7 @@ def write_output(
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
             companions=list(source.companions),
             drop_unsupported=drop_unsupported,
+            leaf_order=source.leaf_order,
             progress=advance,
             warn=out.warn,
         )

@@ -52,6 +52,13 @@ def patterns(flag: str, help: str) -> Any:
                                                        show_default=False)]
 
 
+LikeOpt = Annotated[
+    Optional[str],
+    typer.Option("--like", help="MODULE:ATTR of your model (a function returning it, or the object), built "
+                 "without allocating: names the leaves of an .eqx file and orders an .eqx output. Imports and "
+                 "runs that code of yours; nothing from the checkpoint is ever run.", show_default=False,
+                 metavar="MODULE:ATTR"),
+]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
 MaxShardOpt = Annotated[
     Optional[str],

@@ -34,6 +34,7 @@ def average(
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
+    like: opt.LikeOpt = None,
     quiet: opt.QuietOpt = False,
 ) -> None:
     """Average checkpoints: model soups, the last N steps of a run, linear merges.
@@ -56,7 +57,7 @@ def average(
     if len(checkpoints) < 2:
         raise UsageError("average needs at least two checkpoints")
     with contextlib.ExitStack() as stack:
-        opened = [stack.enter_context(open_input(out, path)) for path in checkpoints]
+        opened = [stack.enter_context(open_input(out, path, like=like)) for path in checkpoints]
         names = [str(p) for p in checkpoints]
         tree, report = average_trees([c.tree for c in opened], parse_weights(weights, len(opened)), names=names,
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)

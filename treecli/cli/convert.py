@@ -24,6 +24,7 @@ def convert(
     drop_unsupported: opt.DropUnsupportedOpt = False,
     input_format: opt.InputFormatOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
@@ -46,7 +47,7 @@ def convert(
     from treecli.formats import output_format
 
     out = Output(quiet=quiet)
-    with open_input(out, source, input_format, step) as ckpt:
+    with open_input(out, source, input_format, step, like) as ckpt:
         tree = ckpt.tree
         report = EditReport()
         if dtype:
@@ -56,7 +57,8 @@ def convert(
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         fmt, _ = output_format(target, format, ckpt.format)
-        verify = None if no_verify else verifier(tree, fmt, drop_unsupported, progress=out.progress)
+        verify = None if no_verify else verifier(tree, fmt, drop_unsupported, progress=out.progress,
+                                              leaf_order=ckpt.leaf_order)
         write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
         for line in report.warnings:

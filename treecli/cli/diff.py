@@ -22,6 +22,7 @@ def diff(
                                                   "tolerance (default: exact bytes).", show_default=False)] = None,
     where: opt.WhereOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> int:
@@ -40,7 +41,7 @@ def diff(
     from treecli import _diff
 
     out = Output(quiet=quiet)
-    with open_input(out, a, step=step) as left, open_input(out, b, step=step) as right:
+    with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance)

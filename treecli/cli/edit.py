@@ -33,6 +33,7 @@ def edit(
     format: opt.OutputFormatOpt = None,
     input_format: opt.InputFormatOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -65,7 +66,7 @@ def edit(
                   allow_reshape=allow_reshape)
     if not any((edits.rename, edits.delete, edits.set, edits.cast, edits.scale)):
         raise UsageError("nothing to do: give --rename, --delete, --set, --cast or --scale")
-    with open_input(out, checkpoint, input_format, step) as ckpt:
+    with open_input(out, checkpoint, input_format, step, like) as ckpt:
         tree, report = edit_tree(ckpt.tree, edits)
         if dry_run and not json:
             out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))

@@ -21,6 +21,7 @@ def get(
                                                    show_default=False)] = None,
     format: opt.FormatOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
     json: opt.JsonOpt = False,
 ) -> None:
@@ -36,7 +37,7 @@ def get(
     from treecli._errors import UsageError
 
     out = Output()
-    with open_input(out, checkpoint, format, step) as ckpt:
+    with open_input(out, checkpoint, format, step, like) as ckpt:
         found = _tree.resolve(ckpt.tree, keypath)
         if len(found) > 1:
             raise UsageError(f"names {len(found)} nodes; give one key path", file=str(checkpoint), keypath=keypath)

@@ -27,6 +27,7 @@ def show(
     json: opt.JsonOpt = False,
     format: opt.FormatOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     item: Annotated[Optional[str], typer.Option("--item", help="Only this item of a CheckpointManager step "
                                                 "(e.g. state).", show_default=False)] = None,
     quiet: opt.QuietOpt = False,
@@ -48,7 +49,7 @@ def show(
     from treecli._errors import UsageError
 
     out = Output(quiet=quiet)
-    with open_input(out, checkpoint, format, step) as ckpt:
+    with open_input(out, checkpoint, format, step, like) as ckpt:
         tree = ckpt.tree
         if item is not None:
             items = ckpt.info.get("items")

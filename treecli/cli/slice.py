@@ -27,6 +27,7 @@ def slice_(
     format: opt.OutputFormatOpt = None,
     input_format: opt.InputFormatOpt = None,
     step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -56,7 +57,7 @@ def slice_(
     out = Output(quiet=quiet)
     if output is None and not dry_run:
         raise UsageError("give -o OUTPUT, or --dry-run to see what would change")
-    with open_input(out, checkpoint, input_format, step) as ckpt:
+    with open_input(out, checkpoint, input_format, step, like) as ckpt:
         tree, report = slice_tree(ckpt.tree, index)
         if report.skipped:
             n = len(report.skipped)

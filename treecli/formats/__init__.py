@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from treecli._errors import FormatError, TreecliError, UsageError
+from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
 
@@ -95,10 +95,10 @@ def _refuse_special(path: Path) -> None:
 
 
 # Formats treecli writes, and how an output is named for each.
-WRITES = ".safetensors, .npz, .msgpack, or a directory (an HF safetensors directory, or an Orbax checkpoint)"
+WRITES = ".safetensors, .npz, .msgpack, .eqx, or a directory (an HF safetensors directory, or an Orbax checkpoint)"
 # Extensions of files treecli reads but does not write, or never reads: an output named
 # so is a mistake, never a directory of that name.
-_FOREIGN_EXTENSIONS = (".npy", ".eqx", ".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
+_FOREIGN_EXTENSIONS = (".npy", ".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
                        ".json", ".gguf", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
 
 
@@ -112,24 +112,29 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
         UsageError: the name ends in an extension treecli does not write (``out.h5``,
             ``out.npy``), or ``--format`` contradicts the name's extension.
     """
-    named = next((name for name in FORMATS if any(target.name.endswith(ext) for ext in get(name).extensions)), None)
+    named = next((name for name in FORMATS if any(target.name.endswith(ext) for ext in _written(get(name)))), None)
     foreign = next((ext for ext in _FOREIGN_EXTENSIONS if target.name.lower().endswith(ext)), None)
-    if named and not hasattr(get(named), "write"):  # .npy, .eqx: read (as Equinox records), not written
-        named, foreign = None, Path(target.name).suffix
     if format:
         fmt = get(format)
         if (named and named != fmt.name) or (foreign and not named):
-            raise UsageError(f"the name says {named or foreign} but --format says {format}; treecli writes "
+            raise UsageError(f"the name says {named or foreign} but {option('format', format)} says otherwise; "
+                             "treecli writes "
                              f"{WRITES}", file=str(target))
-        return fmt, not any(target.name.endswith(ext) for ext in fmt.extensions)
+        return fmt, not any(target.name.endswith(ext) for ext in _written(fmt))
     if named:
         return get(named), False
     if foreign:
         hint = " (one leaf: treecli get CKPT KEYPATH -o leaf.npy)" if foreign == ".npy" else ""
         raise UsageError(f"treecli does not write {foreign} files{hint}; it writes {WRITES}", file=str(target))
     if input_format is None:
-        raise UsageError("cannot tell the output format from the name; add --format", file=str(target))
+        raise UsageError(f"cannot tell the output format from the name; add {option('format', 'FORMAT')}",
+                         file=str(target))
     return get(input_format), True
+
+
+def _written(fmt: Any) -> tuple[str, ...]:
+    """The extensions of the files a format writes (.npy is read as an Equinox record, never written)."""
+    return getattr(fmt, "write_extensions", fmt.extensions) if hasattr(fmt, "write") else ()
 
 
 def save(

@@ -52,6 +52,9 @@ class Checkpoint:
     info: dict[str, Any] = field(default_factory=dict)
     #: Where its weights live on disk (None for a tree in memory).
     origin: Origin | None = None
+    #: The key paths of its leaves in the order of the model they belong to
+    #: (``--like``): what an ``.eqx`` output follows.
+    leaf_order: list[tuple] | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
@@ -74,6 +77,9 @@ class WriteOptions:
     max_shard_size: int | None = None
     companions: list[Path] = field(default_factory=list)
     drop_unsupported: bool = False
+    #: The order of the data leaves' key paths in the pytree they came from (JAX's
+    #: flatten order): what an ``.eqx`` output follows. None: the tree's own order.
+    leaf_order: list[tuple] | None = None
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
     #: Called with each warning line the writer has for the user.

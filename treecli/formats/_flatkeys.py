@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from treecli import _tree
-from treecli._errors import TreecliError
+from treecli._errors import TreecliError, in_cli
 from treecli._keypath import format_keypath
 
 
@@ -62,7 +62,7 @@ def join(keypath: tuple, separator: str, file: str) -> str:
             if separator in part:
                 raise TreecliError(
                     f"key {part!r} contains {separator!r}, the separator of this format's flat keys; "
-                    "rename it first (treecli edit --rename)",
+                    "rename it first" + in_cli(" (treecli edit --rename)"),
                     file=file,
                     keypath=format_keypath(keypath),
                 )

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _atomic
-from treecli._errors import TreecliError, UsageError
+from treecli._errors import TreecliError, UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import special_kind
 
@@ -56,12 +56,13 @@ def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.st
     for source in sources:
         try:
             if os.path.samestat(os.stat(source), info):
-                raise UsageError(f"output is the input {str(source)!r}; use --in-place to rewrite an input",
+                raise UsageError(f"output is the input {str(source)!r}"
+                                 + in_cli("; use --in-place to rewrite an input"),
                                  file=str(target))
         except OSError:
             continue
     if not force:
-        raise UsageError("output exists; use --force to replace it", file=str(target))
+        raise UsageError(f"output exists; use {option('force')} to replace it", file=str(target))
     return info
 
 
@@ -118,7 +119,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
                 verify(built)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
-        raise UsageError("output is a directory; name a file or use --format", file=str(target))
+        raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
     with _atomic.atomic_file(target) as tmp:
         fmt.write(tree, tmp, options)
         if verify:

@@ -1,10 +1,17 @@
 """Equinox ``.eqx`` files (``eqx.tree_serialise_leaves``) and plain ``.npy`` files.
 
 An ``.eqx`` file is the model's array leaves saved one after another with
-``np.save``: bare ``.npy`` records, no names (those live in the model's code,
-which treecli does not have). It opens as an unnamed sequence ``[0]``, ``[1]``,
-... of lazy leaves read from each record's header; a ``.npy`` file is a
-sequence of one. Read-only.
+``np.save``, in JAX's flatten order: bare ``.npy`` records, no names (those
+live in the model's code). Without a template it opens as an unnamed sequence
+``[0]``, ``[1]``, ... of lazy leaves read from each record's header; with one
+(``like``, the CLI's ``--like MODULE:ATTR``) record *i* is the template's
+*i*-th array leaf and takes its key path, its shape and dtype checked. A
+``.npy`` file is a sequence of one.
+
+Writing follows ``tree_serialise_leaves``: one record per array leaf, in the
+pytree's own order (``WriteOptions.leaf_order``; else JAX's order of the tree:
+dict keys sorted, sequences in order), bfloat16 as ``<V2`` as ``jnp.save``
+writes it, so that ``eqx.tree_deserialise_leaves`` reads the file back.
 """
 
 from __future__ import annotations
@@ -13,16 +20,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from treecli import _dtypes
-from treecli._errors import FormatError, RefusedError
+from treecli import _atomic, _dtypes, _leaf, _pytree, _tree
+from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, option
+from treecli._keypath import KeyPath, format_keypath
 from treecli.formats import _npy
-from treecli.formats._base import Checkpoint
+from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular
 
 
 class _Format:
     name = "eqx"
     extensions = (".eqx", ".npy")
+    write_extensions = (".eqx",)  # a .npy file holds one leaf: `treecli get -o` writes those
     separator = None
 
     def sniff(self, path: Path) -> str | None:
@@ -31,14 +40,17 @@ class _Format:
         with open_regular(path) as f:
             return None if f.read(6) == _npy.MAGIC else "does not start with a .npy record"
 
-    def open(self, path: Path, **_: Any) -> Checkpoint:
-        return _open(Path(path))
+    def open(self, path: Path, like: _pytree.Structure | None = None, **_: Any) -> Checkpoint:
+        return _open(Path(path), like)
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        _write(tree, target, options)
 
 
 FORMAT = _Format()
 
 
-def _open(path: Path) -> Checkpoint:
+def _open(path: Path, like: _pytree.Structure | None) -> Checkpoint:
     file = str(path)
     leaves = []
     offset = 0
@@ -63,11 +75,110 @@ def _open(path: Path) -> Checkpoint:
             if data + header.nbytes > size:
                 raise FormatError(f"file is truncated: {where} declares data through byte {data + header.nbytes}, "
                                   f"but the file is only {size} bytes", file=file)
-            leaves.append(FileArrayLeaf(reader, data, header.shape, header.dtype_name))
+            # jnp.save writes bfloat16 as raw 2-byte records, and jnp.load reads them back as bfloat16.
+            dtype_name = "bfloat16" if header.dtype_name == "V2" else header.dtype_name
+            leaves.append(FileArrayLeaf(reader, data, header.shape, dtype_name))
             offset = data + header.nbytes
-    checkpoint = Checkpoint(tree=leaves, format="eqx", file=file)
+    checkpoint = Checkpoint(tree=leaves if like is None else _named(leaves, like, file), format="eqx", file=file)
     checkpoint._closers.append(reader.close)
-    if path.suffix == ".eqx":
+    if like is None and path.suffix == ".eqx":
         checkpoint.warnings.append("an .eqx file stores leaves without names: they are shown as [0], [1], ... in "
-                                   "the model's own order (the names live in the model's code)")
+                                   "the model's own order (name them with --like MODULE:ATTR, the model's code)")
     return checkpoint
+
+
+def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> Any:
+    """The template's native tree with record *i* at its *i*-th array leaf.
+
+    Raises:
+        StructureError: a count, shape or dtype that does not fit, listed diff-style.
+    """
+    expected = [(keypath, like.leaves[index]) for keypath, index in like.data]
+    name = os.path.basename(file)
+    lines = []
+    if len(records) != len(expected):
+        lines.append(f"{name} holds {len(records)} records; the template has {len(expected)} array leaves")
+    named = {}
+    for i, (record, (keypath, leaf)) in enumerate(zip(records, expected)):
+        dtype = getattr(leaf, "dtype", None)
+        if record.dtype_name.startswith("V") and dtype is not None and _dtypes.itemsize(
+                _dtypes.name(dtype)) == record.itemsize:  # float8 & co. are saved as raw bytes too
+            record = FileArrayLeaf(record.reader, record.offset, record.shape, _dtypes.name(dtype))
+        if not _pytree.fits(leaf, record):
+            lines.append(f"[{i}] {format_keypath(keypath) or '<root>'}: {_pytree.describe(leaf)} in the template; "
+                         f"{_tree.describe_leaf(record)} in {name}")
+        named[keypath] = record
+    if lines:
+        raise StructureError(f"does not fit the template: {len(lines)} "
+                             f"{'difference' if len(lines) == 1 else 'differences'}", file=file, details=lines)
+    return _tree.map_leaves(lambda keypath, _: named[keypath], like.native)
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+
+def _write(tree: Any, target: Path, options: WriteOptions) -> None:
+    import numpy as np
+
+    with open(target, "wb") as f:
+        writeback = _atomic.Writeback(f)
+        for _, leaf in records(tree, options, str(target)):
+            # np.save's header, byte for byte: jnp.save of bfloat16 writes '<V2' the same way.
+            header = {"descr": np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
+                      "shape": tuple(leaf.shape)}
+            try:
+                np.lib.format.write_array_header_1_0(f, header)
+            except ValueError:  # a header over 64 KiB needs format 2.0
+                np.lib.format.write_array_header_2_0(f, header)
+            for chunk in _leaf.iter_chunks(leaf):
+                raw = chunk.reshape(-1).view(np.uint8)
+                f.write(raw)
+                writeback()
+                if options.progress:
+                    options.progress(raw.nbytes)
+
+
+def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _leaf.ArrayLeaf]]:
+    """The array leaves, with their key paths as text, in the order the file must hold them.
+
+    Raises:
+        TreecliError: leaves that are not arrays (unless dropped), or a tree that
+            does not have the leaves of the order it must follow.
+    """
+    leaves = dict(_tree.flatten(tree)) if not (isinstance(tree, (dict, list, tuple)) and not tree) else {}
+    unsupported = [f"{format_keypath(kp)} ({_tree.describe_leaf(x)})" for kp, x in leaves.items()
+                   if not _leaf.is_array(x) and not _holds_nothing(x)]
+    if unsupported:
+        if not options.drop_unsupported:
+            raise TreecliError(f".eqx files hold arrays only, not {len(unsupported)} of these leaves (use "
+                               f"{option('drop_unsupported')} to drop them)", file=file, details=unsupported)
+        if options.warn:
+            options.warn(f"dropped {len(unsupported)} leaves an .eqx file cannot hold: {', '.join(unsupported[:20])}")
+    arrays = {format_keypath(kp): _leaf.as_leaf(x) for kp, x in leaves.items() if _leaf.is_array(x)}
+    if options.leaf_order is None:
+        texts = [format_keypath(kp) for kp in _jax_order(tree)]
+        return [(text, arrays[text]) for text in texts if text in arrays]
+    order = [format_keypath(kp) for kp in options.leaf_order]
+    missing = [text for text in order if text not in arrays]
+    extra = sorted(arrays.keys() - set(order))
+    if missing or extra:
+        raise TreecliError(
+            f"an .eqx file must hold exactly the model's {len(order)} array leaves, in its order; this tree lacks "
+            f"{len(missing)} and has {len(extra)} others", file=file,
+            details=[f"{t}: missing" for t in missing] + [f"{t}: not in the model" for t in extra])
+    return [(text, arrays[text]) for text in order]
+
+
+def _holds_nothing(leaf: Any) -> bool:
+    """``None`` and empty containers: no leaf at all to JAX, so no record."""
+    return leaf is None or (isinstance(leaf, (dict, list, tuple)) and not leaf)
+
+
+def _jax_order(tree: Any, prefix: KeyPath = ()) -> list[KeyPath]:
+    """Key paths of the leaves in ``jax.tree_util``'s order for a native tree (dict
+    keys sorted, sequences in order, ``None`` no leaf), without importing jax."""
+    if isinstance(tree, dict):
+        return [kp for key in sorted(tree) for kp in _jax_order(tree[key], prefix + (key,))]
+    if isinstance(tree, (list, tuple)):
+        return [kp for i, child in enumerate(tree) for kp in _jax_order(child, prefix + (i,))]
+    return [] if tree is None else [prefix]

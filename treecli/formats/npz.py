@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from treecli import _atomic, _dtypes, _leaf, _memory
-from treecli._errors import FormatError, RefusedError, TreecliError
+from treecli._errors import FormatError, RefusedError, TreecliError, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
 from treecli.formats._base import Checkpoint, WriteOptions
@@ -304,7 +304,8 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
             unsupported.append(f"{format_keypath(keypath)} ({'None' if leaf is None else type(leaf).__name__})")
     if unsupported:
         if not options.drop_unsupported:
-            raise TreecliError(f"npz cannot hold {len(unsupported)} non-array leaves (use --drop-unsupported to "
+            raise TreecliError(f"npz cannot hold {len(unsupported)} non-array leaves (use "
+                               f"{option('drop_unsupported')} to "
                                "drop them)", file=str(target), details=unsupported)
         if options.warn:
             options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _leaf, _memory, _tree
-from treecli._errors import FormatError, TreecliError, UsageError
+from treecli._errors import FormatError, TreecliError, UsageError, in_cli, option
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
 from treecli.formats._filedata import read_text, refuse_special
@@ -51,7 +51,8 @@ class _Format:
         if steps:
             return _open_manager_root(path, steps, pending, step)
         if step is not None:
-            raise UsageError("--step applies to a CheckpointManager root; this is a single checkpoint", file=str(path))
+            raise UsageError(f"{option('step', step)} applies to a CheckpointManager root; this is a single checkpoint",
+                             file=str(path))
         if _TMP_MARK in path.name:
             raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=str(path))
         if not _committed(path):
@@ -378,8 +379,8 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
         name = _param_name(keypath)
         if name in seen:
             raise TreecliError(f"key paths {format_keypath(seen[name])} and {format_keypath(keypath)} would both "
-                               f"be stored as the Orbax parameter {name!r}; rename one first (treecli edit "
-                               "--rename)", file=file)
+                               f"be stored as the Orbax parameter {name!r}; rename one first"
+                               + in_cli(" (treecli edit --rename)"), file=file)
         seen[name] = keypath
     unsupported = []
     for keypath, x in items:
@@ -393,7 +394,7 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
     listed = [f"{format_keypath(kp)} ({what})" for kp, what in unsupported]
     if not options.drop_unsupported:
         raise TreecliError(f"Orbax cannot hold {len(listed)} {'leaf' if len(listed) == 1 else 'leaves'} (use "
-                           "--drop-unsupported to drop them)", file=file, details=listed)
+                           f"{option('drop_unsupported')} to drop them)", file=file, details=listed)
     if options.warn:
         options.warn(f"dropped {len(listed)} leaves Orbax cannot hold: {', '.join(listed[:20])}")
     dropped = {kp for kp, _ in unsupported}

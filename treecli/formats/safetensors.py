@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _atomic, _dtypes, _gc, _leaf
-from treecli._errors import FormatError, NotDurableError, TreecliError
+from treecli._errors import FormatError, NotDurableError, TreecliError, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
@@ -489,7 +489,7 @@ def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tu
         if not options.drop_unsupported:
             raise TreecliError(
                 f"safetensors cannot hold {len(unsupported)} {'leaf' if len(unsupported) == 1 else 'leaves'} "
-                "(use --drop-unsupported to drop them)",
+                f"(use {option('drop_unsupported')} to drop them)",
                 file=file, details=unsupported,
             )
         if options.warn:

@@ -1,0 +1,353 @@
+"""Any JAX pytree at the library's boundary.
+
+treecli's operations and formats work on *native* trees: ``dict`` / ``list`` /
+``tuple`` nodes, the trees checkpoints open as. Any other pytree — an
+``eqx.Module``, a flax struct or ``TrainState``, ``nnx.State``, optax's
+namedtuples, a node the user registered — is flattened through JAX's own
+registry with key paths into a native tree of its *data* leaves, and its own
+type is rebuilt from a result with the same key paths.
+
+- Key entries become treecli keys: ``GetAttrKey('mu')`` -> ``"mu"``,
+  ``SequenceKey(0)`` -> ``0``, ``DictKey('a')`` -> ``"a"``; so ``opt_state.0.mu``
+  names the same leaf in memory and in an Orbax checkpoint.
+- Data leaves are arrays (NumPy, JAX, lazy, ``ShapeDtypeStruct`` in templates)
+  and Python numbers, as in Equinox's ``is_array_like``. Other leaves — an
+  activation function, a string field, ``None`` — are structure, like static
+  fields: kept from the original, never stored.
+- A native tree passes through untouched, and jax is imported only when a
+  tree that needs it appears (the CLI's flat formats never do).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from treecli import _dtypes, _leaf, _tree
+from treecli._errors import KeyPathError, StructureError, UsageError
+from treecli._keypath import KeyPath, format_keypath, plain_key
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def _is_native_leaf(value: Any) -> bool:
+    if value is None or isinstance(value, (str, bytes, _leaf.ArrayLeaf) + _NUMBERS):
+        return True
+    if type(value).__module__ == "numpy":  # ndarray and NumPy scalars, without importing NumPy
+        return True
+    jax = sys.modules.get("jax")  # a JAX array exists only once jax is imported
+    return jax is not None and isinstance(value, jax.Array)
+
+
+def is_native(tree: Any) -> bool:
+    """Whether a tree is made of dict / list / plain tuple nodes and plain leaves only."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):  # a namedtuple has names
+            stack.extend(node)
+        elif not _is_native_leaf(node):
+            return False
+    return True
+
+
+def is_data(leaf: Any) -> bool:
+    """An array-like leaf: what checkpoints store (Equinox's ``is_array_like``, plus templates' shapes)."""
+    if isinstance(leaf, _NUMBERS) or _leaf.is_array(leaf):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+@dataclass
+class Structure:
+    """How a pytree was flattened: enough to rebuild its own type around new data leaves."""
+
+    treedef: Any  # jax's PyTreeDef
+    leaves: list[Any]  # every leaf of the original, JAX order: data and structure alike
+    data: list[tuple[KeyPath, int]]  # each data leaf's treecli key path and its index in ``leaves``
+    native: Any  # the native tree of the original's data leaves
+
+    @property
+    def order(self) -> list[KeyPath]:
+        """The data leaves' key paths in JAX's flatten order (the order ``.eqx`` records follow)."""
+        return [keypath for keypath, _ in self.data]
+
+    def rebuild(self, result: Any) -> Any:
+        """``result`` (a native tree) inside the original's own types, if it has the
+        same key paths; otherwise (an edit renamed or deleted leaves) ``result`` itself."""
+        found = {format_keypath(kp): leaf for kp, leaf in _tree.flatten(result)} if self.data else {}
+        texts = [format_keypath(kp) for kp, _ in self.data]
+        if set(found) != set(texts):
+            return result
+        leaves = list(self.leaves)
+        for (_, index), text in zip(self.data, texts):
+            leaves[index] = found[text]
+        return self.treedef.unflatten(leaves)
+
+
+def structure(tree: Any) -> Structure:
+    """Flatten any pytree through JAX's registry into a :class:`Structure`."""
+    import jax
+
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in pairs]
+    data = [(tuple(plain_key(k) for k in path), i) for i, (path, leaf) in enumerate(pairs) if is_data(leaf)]
+    native = _nest([(keypath, leaves[i]) for keypath, i in data],
+                   {tuple(plain_key(k) for k in path[:depth]): isinstance(path[depth - 1], jax.tree_util.SequenceKey)
+                    for path, _ in pairs for depth in range(1, len(path) + 1)})
+    return Structure(treedef, leaves, data, native)
+
+
+def _nest(items: list[tuple[KeyPath, Any]], from_sequence: dict[KeyPath, bool]) -> Any:
+    """A native tree of ``items``: a node whose children all came from sequence
+    positions 0..n-1 is a list (an Orbax checkpoint stores it as one), others dicts."""
+    if len(items) == 1 and items[0][0] == ():
+        return items[0][1]
+    root: dict = {}
+    for keypath, leaf in items:
+        node = root
+        for key in keypath[:-1]:
+            node = node.setdefault(key, {})
+        node[keypath[-1]] = leaf
+
+    def finish(node: Any, prefix: KeyPath) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        done = {k: finish(v, prefix + (k,)) for k, v in node.items()}
+        if all(from_sequence.get(prefix + (k,), False) for k in done) and sorted(done) == list(range(len(done))):
+            return [done[i] for i in range(len(done))]
+        return done
+
+    return finish(root, ())
+
+
+def to_native(tree: Any) -> tuple[Any, Structure | None]:
+    """The native tree of any pytree, and how to rebuild its type (``None``: it was native)."""
+    if is_native(tree):
+        return tree, None
+    found = structure(tree)
+    return found.native, found
+
+
+# --- results: in memory in, in memory out ------------------------------------------------------------
+
+
+def is_lazy(tree: Any) -> bool:
+    """Whether a native tree holds leaves read from a file or computed on demand."""
+    return any(isinstance(leaf, _leaf.ArrayLeaf) and not isinstance(leaf, _leaf.InMemoryLeaf)
+               for _, leaf in _tree.flatten(tree))
+
+
+def in_memory(result: Any, like: Any) -> Any:
+    """``result`` (native) with each computed leaf read into an array of the kind ``like``
+    holds at the same key path (a JAX array stays a JAX array); NumPy where ``like`` has none."""
+    kinds = {format_keypath(kp): leaf for kp, leaf in _tree.flatten(like)}
+
+    def read(keypath: KeyPath, leaf: Any) -> Any:
+        if not isinstance(leaf, _leaf.ArrayLeaf):
+            return leaf
+        return convert(leaf, kinds.get(format_keypath(keypath)))
+
+    return _tree.map_leaves(read, result)
+
+
+def convert(leaf: Any, like: Any) -> Any:
+    """An array leaf read whole, as the same kind of value as ``like``."""
+    import numpy as np
+
+    data = np.asarray(leaf)
+    if isinstance(like, _NUMBERS):
+        return type(like)(data.item())
+    if type(like).__module__ == "numpy" and not isinstance(like, np.ndarray):  # a NumPy scalar
+        return data[()]
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.numpy.asarray(data)
+    return data
+
+
+def number_array(value: Any) -> Any:
+    """A Python number as the 0-d NumPy array Equinox would save; anything else as it is."""
+    if not isinstance(value, _NUMBERS):
+        return value
+    import numpy as np
+
+    return np.asarray(value)
+
+
+# --- templates: load(path, like=...) and --like MODULE:ATTR -----------------------------------------
+
+
+def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
+    """The template's own type with its data leaves taken from ``tree`` by key path.
+
+    Raises:
+        StructureError: key paths only in one of them, or a different shape or
+            dtype, listed diff-style.
+    """
+    found = {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree) if is_data(leaf)}
+    wanted = {format_keypath(kp): template.leaves[i] for kp, i in template.data}
+    name = os.path.basename(file.rstrip("/")) or file
+    lines = []
+    for text in sorted(wanted.keys() | found.keys()):
+        if text not in found:
+            lines.append(f"{text or '<root>'}: only in the template")
+        elif text not in wanted:
+            lines.append(f"{text or '<root>'}: only in {name}")
+        else:
+            expected, got = describe(wanted[text]), _tree.describe_leaf(found[text])
+            if not fits(wanted[text], found[text]):
+                lines.append(f"{text or '<root>'}: {expected} in the template; {got} in {name}")
+    if lines:
+        raise StructureError(f"does not fit the template: {len(lines)} "
+                             f"{'difference' if len(lines) == 1 else 'differences'}", file=file, details=lines)
+    leaves = list(template.leaves)
+    for keypath, index in template.data:
+        leaf = found[format_keypath(keypath)]
+        leaves[index] = leaf if lazy and not isinstance(leaf, _NUMBERS) else convert(leaf, template.leaves[index])
+    return template.treedef.unflatten(leaves)
+
+
+def describe(leaf: Any) -> str:
+    """A template leaf as ``[2, 3] float32``; a Python number as its type."""
+    if isinstance(leaf, _NUMBERS):
+        return f"[] {type(leaf).__name__}"
+    return f"[{', '.join(str(int(d)) for d in leaf.shape)}] {_dtypes.name(leaf.dtype)}"
+
+
+def fits(expected: Any, leaf: Any) -> bool:
+    """Whether a stored leaf can fill a template leaf: same shape and dtype; a Python
+    number takes any 0-d number (Equinox stores ``3`` as int64, ``True`` as bool)."""
+    if isinstance(leaf, _NUMBERS):  # Orbax and msgpack store Python numbers as they are
+        return isinstance(expected, _NUMBERS)
+    leaf = _leaf.as_leaf(leaf)
+    if isinstance(expected, _NUMBERS):
+        return leaf.shape == ()
+    return tuple(leaf.shape) == tuple(int(d) for d in expected.shape) and leaf.dtype_name == _dtypes.name(
+        expected.dtype)
+
+
+def import_template(spec: str) -> Any:
+    """The template a ``--like MODULE:ATTR`` names: the object, or what the callable
+    returns, built under ``jax.eval_shape`` so that no array is allocated.
+
+    This imports and runs the user's own code (never anything from a checkpoint).
+
+    Raises:
+        UsageError: not ``MODULE:ATTR``, a module that cannot be imported, no such
+            attribute, or a callable that fails.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"--like {spec!r}: write MODULE:ATTR, e.g. mypkg.models:make_model")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # like `python -m`: the working directory's modules
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module failed: say so in one line, --debug has the traceback
+        raise UsageError(f"--like {spec!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UsageError(f"--like {spec!r}: {module_name} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not _is_factory(target):
+        return target
+    try:
+        return shapes_of(target)
+    except Exception as e:
+        raise UsageError(f"--like {spec!r}: calling it failed: {type(e).__name__}: {e}") from e
+
+
+def _is_factory(value: Any) -> bool:
+    """A function, class or partial is called for the template; an object (a model, which
+    may well be callable itself) is the template."""
+    import functools
+
+    return inspect.isroutine(value) or inspect.isclass(value) or isinstance(value, functools.partial)
+
+
+def shapes_of(factory: Callable[[], Any]) -> Any:
+    """``factory()`` with every array replaced by its ``ShapeDtypeStruct``, allocating
+    nothing (``eqx.filter_eval_shape``, without needing Equinox): non-array leaves
+    (activation functions, Python numbers) come back as they are."""
+    import jax
+
+    kept: dict[str, Any] = {}
+
+    def arrays_only() -> list:
+        leaves, kept["treedef"] = jax.tree_util.tree_flatten(factory())
+        kept["others"] = [None if _is_array(leaf) else leaf for leaf in leaves]
+        return [leaf if _is_array(leaf) else None for leaf in leaves]
+
+    shapes = jax.eval_shape(arrays_only)
+    return kept["treedef"].unflatten([o if s is None else s for s, o in zip(shapes, kept["others"])])
+
+
+def _is_array(leaf: Any) -> bool:
+    import jax
+    import numpy as np
+
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+# --- at(): replacing any node of any pytree -------------------------------------------------------------
+
+
+def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
+    """One level of a node through JAX's registry: ``[(key entry, child)]`` and its
+    treedef, or ``None`` for a leaf (an array, a function, ``None``, an empty node)."""
+    import jax
+
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if not pairs or pairs[0][0] == ():
+        return None
+    return [(path[0], child) for path, child in pairs], treedef
+
+
+def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, tuple, Any]]:
+    """Every node, inner and leaf: its treecli key path, its JAX key path, the node."""
+    stack: list[tuple[KeyPath, tuple, Any]] = [((), (), tree)]
+    while stack:
+        keypath, jax_path, node = stack.pop()
+        yield keypath, jax_path, node
+        split = _children(node)
+        if split is not None:
+            stack.extend((keypath + (plain_key(entry),), jax_path + (entry,), child)
+                         for entry, child in reversed(split[0]))
+
+
+def find_one(tree: Any, text: str) -> tuple[KeyPath, tuple, Any]:
+    """The one node a key path names (treecli's or JAX's ``keystr`` spelling).
+
+    Raises:
+        KeyPathError: it names no node (the closest named) or several.
+    """
+    from treecli import _keypath
+
+    pattern = _keypath.parse(text)
+    nodes = list(iter_nodes(tree))
+    found = [n for n in nodes if _keypath.matches(pattern, n[0])]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise KeyPathError(f"names {len(found)} nodes; give one key path", keypath=text)
+    near = _keypath.closest(text, [format_keypath(kp) for kp, _, _ in nodes if kp])
+    raise KeyPathError("matches nothing" + (f"; closest: {', '.join(near)}" if near else ""), keypath=text)
+
+
+def replace(node: Any, jax_path: tuple, value: Any) -> Any:
+    """``node`` with the node at ``jax_path`` replaced, rebuilt through its own
+    treedef: unflattening never calls a module's ``__init__``."""
+    if not jax_path:
+        return value
+    children, treedef = _children(node)
+    rebuilt = [replace(child, jax_path[1:], value) if entry == jax_path[0] else child for entry, child in children]
+    return treedef.unflatten(rebuilt)
