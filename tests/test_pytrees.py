@@ -459,6 +459,18 @@ def test_eqx_commands_work_by_name(models, cli, tmp_path):
     assert diffed.code == 0, diffed.stdout + diffed.stderr
 
 
+def test_average_of_eqx_files_writes_an_eqx_equinox_reads(models, cli, tmp_path):
+    other = tmp_path / "other.eqx"
+    eqx.tree_serialise_leaves(other, jax.tree.map(lambda x: x * 3 if eqx.is_inexact_array(x) else x,
+                                                  eqx.tree_deserialise_leaves(models["mlp"], FACTORIES["mlp"][1]())))
+    result = cli("average", models["mlp"], other, "--like", "mymodels:make_mlp", "-o", tmp_path / "avg.eqx")
+    assert result.code == 0, result.stderr
+    template = FACTORIES["mlp"][1]()
+    a, b = (eqx.tree_deserialise_leaves(p, template) for p in (models["mlp"], other))
+    averaged = eqx.tree_deserialise_leaves(tmp_path / "avg.eqx", template)
+    np.testing.assert_allclose(averaged.layers[1].weight, (a.layers[1].weight + b.layers[1].weight) / 2, rtol=1e-6)
+
+
 def test_like_builds_the_template_without_allocating(models, cli, tmp_path):
     """A 40 GB model's template costs nothing: the file does not fit it, and that is all we hear."""
     result = cli("show", models["mlp"], "--like", "mymodels:make_huge")

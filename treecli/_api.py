@@ -17,8 +17,11 @@ from treecli.formats import WriteOptions, open_checkpoint, output_format, save a
 from treecli.formats._base import Checkpoint
 
 
-def open(path: str | Path, format: str | None = None, **options: Any) -> Checkpoint:  # noqa: A001
+def open(path: str | Path, format: str | None = None, *, like: Any = None,  # noqa: A001
+         **options: Any) -> Checkpoint:
     """Open a checkpoint lazily; use as a context manager to close its files.
+
+    ``like``, a template pytree, names an ``.eqx`` file's records by its key paths.
 
     Returns:
         A :class:`~treecli.formats._base.Checkpoint` with ``tree`` (lazy leaves),
@@ -27,7 +30,7 @@ def open(path: str | Path, format: str | None = None, **options: Any) -> Checkpo
     Raises:
         FormatError: the file is not a valid checkpoint.
     """
-    return open_checkpoint(path, format, **options)
+    return open_checkpoint(path, format, like=None if like is None else _pytree.structure(like), **options)
 
 
 def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy: bool | None = None,
@@ -81,8 +84,8 @@ def save(
     The format follows ``format``, else the extension of ``path``. A pytree's
     key paths name its leaves (``layers.0.weight``); an ``.eqx`` output keeps
     the order ``eqx.tree_serialise_leaves`` writes, so Equinox reads it back.
-    Python numbers are stored as 0-d arrays (``3`` as int64, as Equinox and Orbax
-    do), except in msgpack, which holds them as they are.
+    Python numbers are stored as they are in Orbax and msgpack, and as 0-d arrays
+    elsewhere (``3`` as int64, as Equinox does).
 
     Raises:
         UsageError: ``path`` exists and ``force`` is false.
@@ -91,7 +94,7 @@ def save(
     """
     native, structure = _pytree.to_native(tree)
     fmt, _ = output_format(Path(path), format, None)
-    if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0: a 0-d int64, as Orbax stores it too
+    if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
         native = _tree.map_leaves(lambda _, x: _pytree.number_array(x), native)
     options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size,
                            drop_unsupported=drop_unsupported, leaf_order=structure.order if structure else None)

@@ -32,7 +32,7 @@ _MAP_FIRST_BYTES = set(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 class _Format:
     name = "msgpack"
-    holds_numbers = True  # Flax's msgpack stores a Python int as an int
+    holds_numbers = True  # a Python int is stored as an int, as Flax's msgpack does
     extensions = (".msgpack",)
     separator = None
 

@@ -33,6 +33,7 @@ _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 class _Format:
     name = "orbax"
+    holds_numbers = True  # a Python int is stored as Orbax stores it: a scalar
     extensions: tuple[str, ...] = ()
     separator = None
 
