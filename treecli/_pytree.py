@@ -82,13 +82,12 @@ class Structure:
     def rebuild(self, result: Any) -> Any:
         """``result`` (a native tree) inside the original's own types, if it has the
         same key paths; otherwise (an edit renamed or deleted leaves) ``result`` itself."""
-        found = {format_keypath(kp): leaf for kp, leaf in _tree.flatten(result)} if self.data else {}
-        texts = [format_keypath(kp) for kp, _ in self.data]
-        if set(found) != set(texts):
+        found = dict(_tree.flatten(result)) if self.data else {}
+        if found.keys() != {keypath for keypath, _ in self.data}:
             return result
         leaves = list(self.leaves)
-        for (_, index), text in zip(self.data, texts):
-            leaves[index] = found[text]
+        for keypath, index in self.data:
+            leaves[index] = found[keypath]
         return self.treedef.unflatten(leaves)
 
 
