@@ -98,33 +98,11 @@ def structure(tree: Any) -> Structure:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in pairs]
     data = [(tuple(plain_key(k) for k in path), i) for i, (path, leaf) in enumerate(pairs) if is_data(leaf)]
-    native = _nest([(keypath, leaves[i]) for keypath, i in data],
-                   {tuple(plain_key(k) for k in path[:depth]): isinstance(path[depth - 1], jax.tree_util.SequenceKey)
-                    for path, _ in pairs for depth in range(1, len(path) + 1)})
+    # A node whose children all sit at sequence positions is a list (Orbax stores it as one).
+    lists = {tuple(plain_key(k) for k in path[:depth - 1]) for path, _ in pairs for depth in range(1, len(path) + 1)
+             if isinstance(path[depth - 1], jax.tree_util.SequenceKey)}
+    native = _tree.unflatten([(keypath, leaves[i]) for keypath, i in data], lists=lists)
     return Structure(treedef, leaves, data, native)
-
-
-def _nest(items: list[tuple[KeyPath, Any]], from_sequence: dict[KeyPath, bool]) -> Any:
-    """A native tree of ``items``: a node whose children all came from sequence
-    positions 0..n-1 is a list (an Orbax checkpoint stores it as one), others dicts."""
-    if len(items) == 1 and items[0][0] == ():
-        return items[0][1]
-    root: dict = {}
-    for keypath, leaf in items:
-        node = root
-        for key in keypath[:-1]:
-            node = node.setdefault(key, {})
-        node[keypath[-1]] = leaf
-
-    def finish(node: Any, prefix: KeyPath) -> Any:
-        if not isinstance(node, dict) or not node:
-            return node
-        done = {k: finish(v, prefix + (k,)) for k, v in node.items()}
-        if all(from_sequence.get(prefix + (k,), False) for k in done) and sorted(done) == list(range(len(done))):
-            return [done[i] for i in range(len(done))]
-        return done
-
-    return finish(root, ())
 
 
 def to_native(tree: Any) -> tuple[Any, Structure | None]:

@@ -13,7 +13,7 @@ flat formats run on NumPy alone. Conventions:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Container, Iterator
 
 from treecli import _keypath
 from treecli._errors import KeyPathError
@@ -91,12 +91,13 @@ def rebuild_sequence(original: list | tuple, items: list) -> list | tuple:
     return type(original)(items)
 
 
-def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None) -> Any:
+def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None, lists: Container[KeyPath] = ()) -> Any:
     """Build a tree from ``(keypath, leaf)`` pairs.
 
     Inner nodes are dicts, except where ``template`` has a list or tuple at the
     same key path and the children are sequence indices: those keep their type
-    (with indices renumbered in order if some were removed).
+    (with indices renumbered in order if some were removed); and where a key
+    path in ``lists`` has children ``0`` to ``n - 1``: those become lists.
     """
     if len(items) == 1 and items[0][0] == ():
         return items[0][1]
@@ -114,6 +115,8 @@ def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None) -> Any:
         rebuilt = {k: restore(v, prefix + (k,)) for k, v in node.items()}
         if isinstance(original, (list, tuple)) and all(isinstance(k, int) for k in rebuilt):
             return rebuild_sequence(original, [rebuilt[k] for k in sorted(rebuilt)])
+        if prefix in lists and set(rebuilt) == set(range(len(rebuilt))):
+            return [rebuilt[i] for i in range(len(rebuilt))]
         return rebuilt
 
     return restore(root, ())

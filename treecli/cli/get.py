@@ -71,11 +71,9 @@ def get(
 
 def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
     """A .npy file, streamed chunk by chunk through the atomic writer."""
-    import numpy as np
-
-    from treecli import _atomic, _leaf
+    from treecli import _atomic
     from treecli._errors import UsageError
-    from treecli.formats import _outputs
+    from treecli.formats import _npy, _outputs
 
     if not path.name.endswith(".npy"):
         raise UsageError("get -o writes one leaf as a .npy file; name it *.npy (for a checkpoint of some leaves: "
@@ -86,7 +84,4 @@ def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
                          file=str(path), keypath=keypath)
     _outputs.check_target(path, _outputs.sources_of([source]), force=force)
     with _atomic.atomic_file(path) as tmp, open(tmp, "wb") as f:
-        np.lib.format.write_array_header_2_0(
-            f, {"descr": np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False, "shape": leaf.shape})
-        for chunk in _leaf.iter_chunks(leaf):
-            f.write(chunk.reshape(-1).view(np.uint8))
+        _npy.write(f, leaf, writeback=_atomic.Writeback(f))

@@ -1,13 +1,14 @@
-"""The header of a ``.npy`` record, parsed without eval and checked before anything
-is allocated. Shared by npz (one record per zip member) and eqx (records one after
-another in a file)."""
+"""``.npy`` records: the header parsed without eval and checked before anything is
+allocated, and a leaf written as one record, streamed chunk by chunk. Shared by
+npz (one record per zip member), eqx (records one after another in a file) and
+``get -o leaf.npy``."""
 
 from __future__ import annotations
 
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 MAGIC = b"\x93NUMPY"
 MAX_HEADER = 10_000  # NumPy's own limit for .npy headers
@@ -80,3 +81,31 @@ def _parse_dict(text: str) -> tuple[Any, bool, tuple[int, ...]]:
     if not isinstance(header["fortran_order"], bool):
         raise ValueError("fortran_order is not a bool")
     return header["descr"], header["fortran_order"], shape
+
+
+def write(f: BinaryIO, leaf: Any, descr: str | None = None, writeback: Callable[[], None] | None = None,
+          progress: Callable[[int], None] | None = None) -> None:
+    """Write an array leaf as one record, as ``np.save`` lays it out: a version 1.0
+    header (2.0 when it would not fit), then the data in C order, a chunk at a time.
+
+    ``descr`` overrides the dtype's own (npz stores bfloat16 as ``|V2`` with its real
+    dtype beside); ``writeback`` is called after each chunk (``_atomic.Writeback``),
+    ``progress`` with each chunk's byte count.
+    """
+    import numpy as np
+
+    from treecli import _leaf
+
+    header = {"descr": descr or np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
+              "shape": tuple(leaf.shape)}
+    try:
+        np.lib.format.write_array_header_1_0(f, header)
+    except ValueError:  # a header over 64 KiB needs format 2.0
+        np.lib.format.write_array_header_2_0(f, header)
+    for chunk in _leaf.iter_chunks(leaf):
+        raw = chunk.reshape(-1).view(np.uint8)
+        f.write(raw)
+        if writeback:
+            writeback()
+        if progress:
+            progress(raw.nbytes)

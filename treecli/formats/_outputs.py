@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _atomic
-from treecli._errors import TreecliError, UsageError, in_cli, option
+from treecli._errors import UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import special_kind
 

@@ -118,24 +118,11 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
 
 
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
-    import numpy as np
-
     with open(target, "wb") as f:
         writeback = _atomic.Writeback(f)
         for _, leaf in records(tree, options, str(target)):
-            # np.save's header, byte for byte: jnp.save of bfloat16 writes '<V2' the same way.
-            header = {"descr": np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
-                      "shape": tuple(leaf.shape)}
-            try:
-                np.lib.format.write_array_header_1_0(f, header)
-            except ValueError:  # a header over 64 KiB needs format 2.0
-                np.lib.format.write_array_header_2_0(f, header)
-            for chunk in _leaf.iter_chunks(leaf):
-                raw = chunk.reshape(-1).view(np.uint8)
-                f.write(raw)
-                writeback()
-                if options.progress:
-                    options.progress(raw.nbytes)
+            # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.
+            _npy.write(f, leaf, writeback=writeback, progress=options.progress)
 
 
 def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _leaf.ArrayLeaf]]:

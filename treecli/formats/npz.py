@@ -326,17 +326,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
             info.compress_type = zipfile.ZIP_STORED
             info.file_size = leaf.nbytes  # a hint: zipfile picks zip64 when large
             with archive.open(info, "w", force_zip64=leaf.nbytes > 2**31) as member:
-                header = {"descr": descr, "fortran_order": False, "shape": tuple(leaf.shape)}
-                try:
-                    np.lib.format.write_array_header_1_0(member, header)
-                except ValueError:  # a header over 64 KiB needs format 2.0
-                    np.lib.format.write_array_header_2_0(member, header)
-                for chunk in _leaf.iter_chunks(leaf):
-                    raw = chunk.reshape(-1).view(np.uint8)
-                    member.write(raw)
-                    writeback()
-                    if options.progress:
-                        options.progress(raw.nbytes)
+                _npy.write(member, leaf, descr, writeback, options.progress)
         if real_dtypes:
             info = zipfile.ZipInfo(METADATA_MEMBER, date_time=_FIXED_TIME)
             archive.writestr(info, json.dumps({"dtypes": real_dtypes}, sort_keys=True))
