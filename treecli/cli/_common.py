@@ -11,7 +11,7 @@ from treecli.formats import WriteOptions, open_checkpoint, save
 from treecli.formats._base import Checkpoint
 
 
-def open_input(out: Output, path: Path, format: str | None = None, step: int | None = None,
+def open_input(out: Output, path: str | Path, format: str | None = None, step: int | None = None,
                like: str | None = None) -> Checkpoint:
     """Open a checkpoint and pass its warnings on to stderr.
 

@@ -9,9 +9,11 @@ import typer
 
 from treecli.cli._complete import complete_keypaths
 
+# Checkpoints are text, not Path: a Path would fold https://host into https:/host.
 CheckpointArg = Annotated[
-    Path,
-    typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory.",
+    str,
+    typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory, or a "
+                   "remote safetensors file or repository (https://..., hf://ORG/REPO).",
                    show_default=False, metavar="CHECKPOINT"),
 ]
 FormatOpt = Annotated[

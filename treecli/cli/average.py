@@ -14,7 +14,7 @@ from treecli.cli._output import Output
 
 
 def average(
-    checkpoints: Annotated[list[Path], typer.Argument(help="Two or more checkpoints with the same key paths, "
+    checkpoints: Annotated[list[str], typer.Argument(help="Two or more checkpoints with the same key paths, "
                                                       "shapes and dtypes (any formats).", show_default=False,
                                                       metavar="CHECKPOINTS...")],
     output: opt.OutputOpt,

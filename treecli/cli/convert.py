@@ -13,7 +13,8 @@ from treecli.cli._output import Output
 
 
 def convert(
-    source: Annotated[Path, typer.Argument(help="Input checkpoint.", show_default=False, metavar="SOURCE")],
+    source: Annotated[str, typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
+                                          metavar="SOURCE")],
     target: Annotated[Path, typer.Argument(help="Output file or directory.", show_default=False, metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point leaves to this dtype.",

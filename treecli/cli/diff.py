@@ -14,8 +14,8 @@ from treecli.cli._status import ExitStatus
 
 
 def diff(
-    a: Annotated[Path, typer.Argument(help="First checkpoint.", show_default=False, metavar="A")],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint.", show_default=False, metavar="B")],
+    a: Annotated[str, typer.Argument(help="First checkpoint (a path or URL).", show_default=False, metavar="A")],
+    b: Annotated[str, typer.Argument(help="Second checkpoint (a path or URL).", show_default=False, metavar="B")],
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Compare numerically with this relative "
                                                   "tolerance (default: exact bytes).", show_default=False)] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Compare numerically with this absolute "

@@ -60,8 +60,21 @@ def detect(path: Path) -> Any:
     raise FormatError(f"not a checkpoint treecli can read ({kind}; {'; '.join(reasons)})", file=str(path))
 
 
+URL_SCHEMES = ("http://", "https://", "hf://")  # read by byte ranges (_remote)
+
+
 def open_checkpoint(path: str | Path, format: str | None = None, **options: Any) -> Checkpoint:
-    """Open a checkpoint lazily: metadata is read now, array data only when asked."""
+    """Open a checkpoint lazily: metadata is read now, array data only when asked.
+
+    ``path`` may be a URL: ``https://...``, ``http://...`` or ``hf://ORG/REPO``
+    (remote safetensors, read by byte ranges).
+    """
+    if isinstance(path, str) and path.startswith(URL_SCHEMES):
+        if format not in (None, "safetensors"):
+            raise UsageError(f"treecli reads safetensors from a URL, not {format}", file=path)
+        from treecli.formats import _remote  # urllib only when a URL is given
+
+        return _remote.open_remote(path)
     path = Path(path)
     fmt = get(format) if format else detect(path)
     if format:

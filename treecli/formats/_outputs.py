@@ -129,7 +129,10 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
 def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:
     """Rewrite an input where it lies, changing only its weight files. Returns what was rewritten."""
     origin = checkpoint.origin
-    if origin is None or origin.layout == "step":
+    if origin is None:
+        raise UsageError("--in-place rewrites checkpoints on this machine; write a remote one's edit with -o",
+                         file=checkpoint.file)
+    if origin.layout == "step":
         raise UsageError("--in-place does not rewrite a CheckpointManager step or root (other steps and items "
                          "share it); write the edited step with -o, e.g. treecli edit ROOT --step N -o OUT",
                          file=checkpoint.file)

@@ -16,7 +16,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from treecli import _atomic, _dtypes, _gc, _leaf
 from treecli._errors import FormatError, NotDurableError, TreecliError, option
@@ -115,26 +115,37 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
     Raises:
         FormatError: naming the file and, where there is one, the tensor.
     """
-    file = str(path)
     with open_regular(path) as f:
         info = os.fstat(f.fileno())
-        size = info.st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise FormatError(f"file is {size} bytes, too short for a safetensors header (8-byte length + JSON)", file=file)
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES:
-            raise FormatError(
-                f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not safetensors)",
-                file=file,
-            )
-        if 8 + header_len > size:
-            raise FormatError(
-                f"file is truncated: its header declares {header_len} header bytes, "
-                f"but the file is only {size} bytes",
-                file=file,
-            )
-        raw = f.read(header_len)
+
+        def read(offset: int, size: int) -> bytes:
+            f.seek(offset)
+            return f.read(size)
+
+        return (*parse_header(read, info.st_size, str(path)), identity(info))
+
+
+def parse_header(read: Callable[[int, int], bytes], size: int,
+                 file: str) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int]:
+    """Validate the header of a safetensors file of ``size`` bytes, read through
+    ``read(offset, count)`` (a local file, or byte ranges of a remote one): checked
+    against the size before anything is allocated. Returns ``read_header``'s first three."""
+    prefix = read(0, 8) if size >= 8 else b""
+    if len(prefix) < 8:
+        raise FormatError(f"file is {size} bytes, too short for a safetensors header (8-byte length + JSON)", file=file)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES:
+        raise FormatError(
+            f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not safetensors)",
+            file=file,
+        )
+    if 8 + header_len > size:
+        raise FormatError(
+            f"file is truncated: its header declares {header_len} header bytes, "
+            f"but the file is only {size} bytes",
+            file=file,
+        )
+    raw = read(8, header_len)
     _refuse_parse_bombs(raw, file)
     try:
         text = raw.decode("utf-8")
@@ -146,7 +157,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
         del text
         if type(pairs) is not _Pairs:
             raise FormatError(f"header is a JSON {type(pairs).__name__}, not an object", file=file)
-        return (*_check_header(pairs, size, 8 + header_len, file), identity(info))
+        return _check_header(pairs, size, 8 + header_len, file)
 
 
 # What parsing and checking a header costs in Python objects, per JSON token: an array
@@ -420,29 +431,48 @@ def _open_index(index_path: Path) -> Checkpoint:
         text = read_text(index_path)
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"cannot read the shard index: {e}", file=file) from None
-    index = _parse_json(text, file)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise FormatError("shard index has no 'weight_map' object of tensor name -> shard file", file=file)
-    # Every shard name must stay inside the directory: refused before any open.
-    for name, shard in weight_map.items():
-        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or Path(shard).is_absolute():
-            raise FormatError(f"weight_map names shard {shard!r}, which leaves the checkpoint directory", file=file, keypath=name)
-    shards = list(dict.fromkeys(weight_map.values()))
+    weight_map, shards = shard_names(text, file)
     for shard in shards:
         if not os.path.exists(directory / shard):  # a special file is refused when it is opened
             raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
     checkpoint = Checkpoint(tree=None, format="safetensors", file=file,
                             origin=Origin("sharded", index_path, [index_path] + [directory / s for s in shards]))
-    items: list[tuple[str, Any]] = []
-    owner: dict[str, str] = {}
+    opened = {}
     for shard in shards:
         shard_path = directory / shard
         try:
             tensors, metadata, _, file_identity = read_header(shard_path)
         except TreecliError as e:
             raise e.with_file(str(shard_path))
-        reader = FileReader(str(shard_path), file_identity)
+        opened[shard] = (FileReader(str(shard_path), file_identity), tensors, metadata)
+    assemble_shards(checkpoint, weight_map, opened)
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in shards and not p.name.startswith("."))
+    if stray:
+        checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index_path.name}")
+    checkpoint.companions = _companions(directory, set(shards) | {index_path.name})
+    return checkpoint
+
+
+def shard_names(text: str, file: str) -> tuple[dict[str, str], list[str]]:
+    """An index's ``weight_map`` (tensor -> shard) and its shards in order; every shard
+    name stays inside the checkpoint's directory (or repository), checked before any open."""
+    index = _parse_json(text, file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError("shard index has no 'weight_map' object of tensor name -> shard file", file=file)
+    for name, shard in weight_map.items():
+        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or Path(shard).is_absolute():
+            raise FormatError(f"weight_map names shard {shard!r}, which leaves the checkpoint directory", file=file, keypath=name)
+    return weight_map, list(dict.fromkeys(weight_map.values()))
+
+
+def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: dict[str, tuple]) -> None:
+    """Fill ``checkpoint`` from its shards' ``(reader, tensors, metadata)``, checking that
+    every tensor is in exactly the shard the index names."""
+    file = checkpoint.file
+    items: list[tuple[str, Any]] = []
+    owner: dict[str, str] = {}
+    for shard, (reader, tensors, metadata) in opened.items():
         checkpoint._closers.append(reader.close)
         for key, value in metadata.items():
             checkpoint.metadata.setdefault(key, value)
@@ -459,14 +489,9 @@ def _open_index(index_path: Path) -> Checkpoint:
     for name, shard in weight_map.items():
         if name not in owner:
             raise FormatError(f"the index maps this tensor to shard {shard}, which does not hold it", file=file, keypath=name)
-    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in shards and not p.name.startswith("."))
-    if stray:
-        checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index_path.name}")
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     if warning:
         checkpoint.warnings.append(warning)
-    checkpoint.companions = _companions(directory, set(shards) | {index_path.name})
-    return checkpoint
 
 
 # ---------------------------------------------------------------------------

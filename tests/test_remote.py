@@ -1,0 +1,259 @@
+"""Remote safetensors over HTTP and from the Hub (issue 17, first part), against a real
+HTTP server on 127.0.0.1 that honours Range, counts what it serves, and fails on demand."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import treecli
+from tests.conftest import assert_clean_error
+
+
+class Server(http.server.ThreadingHTTPServer):
+    """Files by URL path; ``Range: bytes=A-B`` answered with 206; every request and byte counted."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.files: dict[str, bytes] = {}
+        self.requests: list[tuple[str, str]] = []  # (path, Range header)
+        self.bytes_served = 0
+        self.latency = 0.0
+        self.ignore_range = False
+        self.short_by = 0  # promise this many bytes more than sent
+        self.status: dict[str, int] = {}  # path -> error status
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        server: Server = self.server
+        with server.lock:
+            server.requests.append((self.path, self.headers.get("Range", "")))
+        time.sleep(server.latency)
+        if self.path in server.status:
+            code = server.status[self.path]
+            self.send_response(code)
+            if 300 <= code < 400:
+                self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = server.files.get(self.path)
+        if body is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        etag = f'"{hash(body) & 0xFFFFFFFF:x}"'
+        spec = self.headers.get("Range")
+        if spec and not server.ignore_range:
+            start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
+            if start >= len(body):
+                self.send_response(416)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            end = min(end, len(body) - 1)
+            chunk = body[start : end + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(body)}")
+        else:
+            chunk = body
+            self.send_response(200)
+        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(len(chunk)))
+        self.end_headers()
+        sent = chunk[: len(chunk) - server.short_by] if server.short_by else chunk
+        with server.lock:
+            server.bytes_served += len(sent)
+        try:
+            self.wfile.write(sent)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        if server.short_by:
+            self.close_connection = True
+
+
+@pytest.fixture
+def server(monkeypatch):
+    srv = Server()
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", srv.url)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _model(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {"model.embed.weight": rng.standard_normal((64, 32)).astype(np.float32)}
+    for i in range(layers):
+        out[f"model.layers.{i}.w"] = rng.standard_normal((32, 32)).astype(np.float32)
+    return out
+
+
+def _publish(server: Server, path: str, tensors: dict, tmp_path: Path) -> Path:
+    local = tmp_path / path.strip("/").replace("/", "_")
+    save_file(tensors, str(local))
+    server.files[path] = local.read_bytes()
+    return local
+
+
+def _publish_sharded(server: Server, prefix: str, shards: int, tmp_path: Path) -> Path:
+    """An HF sharded repository, served under ``prefix`` and kept locally in a directory."""
+    local = tmp_path / "local_repo"
+    local.mkdir()
+    tensors = _model(layers=shards * 2)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, str(local / shard))
+        server.files[f"{prefix}/{shard}"] = (local / shard).read_bytes()
+        weight_map.update(dict.fromkeys(part, shard))
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    (local / "model.safetensors.index.json").write_bytes(index)
+    server.files[f"{prefix}/model.safetensors.index.json"] = index
+    return local
+
+
+def test_show_of_a_remote_file_is_the_local_show_in_at_most_two_requests(server, tmp_path, cli):
+    local = _publish(server, "/m.safetensors", _model(), tmp_path)
+    remote = cli("show", f"{server.url}/m.safetensors", "--json")
+    assert remote.code == 0, remote.stderr
+    assert len(server.requests) <= 2
+    assert server.bytes_served < 70_000  # the header, not the 150 KB of data
+    here = cli("show", local, "--json")
+    assert {k: v for k, v in remote.json.items() if k != "file"} == {k: v for k, v in here.json.items() if k != "file"}
+
+
+def test_hub_repository_with_shards_reads_headers_concurrently(server, tmp_path, cli):
+    _publish_sharded(server, "/org/model/resolve/main", 8, tmp_path)
+    server.latency = 0.1
+    start = time.perf_counter()
+    result = cli("show", "hf://org/model", "--flat")
+    elapsed = time.perf_counter() - start
+    assert result.code == 0, result.stderr
+    assert "model.layers.15.w" in result.stdout
+    assert len(server.requests) == 1 + 8  # the index, then one read per shard header
+    assert elapsed < 0.8, elapsed  # one shard after another would take 8 x 0.1 s on top of the index
+
+
+def test_get_and_slice_move_only_what_they_need(server, tmp_path, cli):
+    tensors = {"big": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), "other": np.ones(1 << 18, np.float32),
+               "small": np.arange(8, dtype=np.float32)}
+    _publish(server, "/s.safetensors", tensors, tmp_path)
+    url = f"{server.url}/s.safetensors"
+    got = cli("get", url, "small", "--json")
+    assert got.code == 0, got.stderr
+    assert got.json["value"] == list(range(8))
+    assert server.bytes_served < 70_000 + 4096  # the first read and that leaf's bytes, not 5 MB
+    server.bytes_served = 0
+    out = tmp_path / "row.safetensors"
+    sliced = cli("slice", url, "--index", "big=:16", "-o", out)
+    assert sliced.code == 0, sliced.stderr
+    written = treecli.load(out)
+    np.testing.assert_array_equal(np.asarray(written["big"]), tensors["big"][:16])
+    # the header again, then the 64 KiB of rows and the 1 MiB "other" leaf passed through
+    assert server.bytes_served <= 1.1 * (16 * 1024 * 4 + tensors["other"].nbytes) + 70_000
+
+
+def test_convert_and_average_of_remote_inputs_are_bit_exact(server, tmp_path, cli):
+    a, b = _model(0), _model(1)
+    _publish(server, "/a.safetensors", a, tmp_path)
+    _publish(server, "/b.safetensors", b, tmp_path)
+    out = tmp_path / "copy.safetensors"
+    converted = cli("convert", f"{server.url}/a.safetensors", out)
+    assert converted.code == 0, converted.stderr
+    back = treecli.load(out)
+    for name, value in a.items():
+        node = back
+        for key in name.split("."):
+            node = node[key]
+        assert np.asarray(node).tobytes() == value.tobytes()
+    averaged = cli("average", f"{server.url}/a.safetensors", f"{server.url}/b.safetensors", "-o", tmp_path / "avg.npz")
+    assert averaged.code == 0, averaged.stderr
+    soup = np.load(tmp_path / "avg.npz")
+    np.testing.assert_array_equal(soup["model/embed/weight"],
+                                  ((a["model.embed.weight"].astype(np.float64) + b["model.embed.weight"]) / 2
+                                   ).astype(np.float32))
+
+
+def test_remote_diff_against_local_is_equal(server, tmp_path, cli):
+    local = _publish_sharded(server, "/org/repo/resolve/v1", 3, tmp_path)
+    result = cli("diff", "hf://org/repo@v1", local)
+    assert result.code == 0, result.stdout + result.stderr
+
+
+def test_python_api_loads_urls(server, tmp_path):
+    tensors = _model()
+    _publish(server, "/m.safetensors", tensors, tmp_path)
+    tree = treecli.load(f"{server.url}/m.safetensors")
+    np.testing.assert_array_equal(tree["model"]["layers"]["2"]["w"][5], tensors["model.layers.2.w"][5])
+
+
+@pytest.mark.parametrize("setup, fragment", [
+    (lambda s: None, "not found (HTTP 404)"),
+    (lambda s: s.status.update({"/m.safetensors": 403}), "access denied (HTTP 403)"),
+    (lambda s: s.status.update({"/m.safetensors": 302}), "redirect"),
+    (lambda s: setattr(s, "ignore_range", True), "ignores Range"),
+    (lambda s: setattr(s, "short_by", 10), "failed 5 times"),
+    (lambda s: s.status.update({"/m.safetensors": 503}), "failed 5 times"),
+])
+def test_failures_are_one_line_naming_the_url(setup, fragment, server, tmp_path, cli, monkeypatch):
+    from treecli.formats import _remote
+
+    monkeypatch.setattr(_remote.time, "sleep", lambda s: None)  # the backoff, not what is tested
+    if "404" not in fragment:
+        _publish(server, "/m.safetensors", _model(), tmp_path)
+    setup(server)
+    url = f"{server.url}/m.safetensors"
+    result = cli("show", url)
+    assert_clean_error(result, url, fragment)
+
+
+def test_hub_403_names_the_token_variable(server, cli):
+    server.status["/org/gated/resolve/main/model.safetensors.index.json"] = 403
+    assert_clean_error(cli("show", "hf://org/gated"), "HF_TOKEN")
+
+
+def test_a_file_replaced_on_the_server_mid_read_is_an_error(server, tmp_path, cli):
+    _publish(server, "/m.safetensors", {"a": np.zeros(40_000, np.float32), "b": np.ones(40_000, np.float32)},
+             tmp_path)
+    tree = treecli.load(f"{server.url}/m.safetensors")
+    np.testing.assert_array_equal(np.asarray(tree["a"])[:10], 0)  # in the first read, of the first version
+    _publish(server, "/m.safetensors", {"a": np.ones(40_000, np.float32), "b": np.zeros(40_000, np.float32)},
+             tmp_path)  # same size, new ETag
+    with pytest.raises(treecli.FormatError, match="changed on the server"):
+        np.asarray(tree["b"])
+
+
+def test_in_place_on_a_url_is_refused(server, tmp_path, cli):
+    _publish(server, "/m.safetensors", _model(), tmp_path)
+    result = cli("edit", f"{server.url}/m.safetensors", "--scale", "model.embed.weight=2", "--in-place")
+    assert_clean_error(result, "-o")
