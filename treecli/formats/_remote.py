@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from typing import Any
 
 from treecli._errors import FormatError, TreecliError, UsageError
@@ -35,7 +36,13 @@ TIMEOUT_S = 30
 
 
 class HttpReader:
-    """A remote file read with ``Range`` requests, the interface of ``FileReader``."""
+    """A remote file read with ``Range`` requests, the interface of ``FileReader``.
+
+    The first read goes through ``urllib`` (which follows the Hub's redirects to its
+    storage) and learns the final location, size and identity; later reads reuse one
+    keep-alive connection per thread to that location and land straight in the
+    caller's buffer (a new connection and a copy per 4 MiB chunk halved throughput).
+    """
 
     def __init__(self, url: str, headers: dict[str, str], name: str | None = None):
         self.url = url
@@ -45,75 +52,140 @@ class HttpReader:
         self.identity: str | None = None
         self.bytes_read = 0
         self._head = b""
+        self._target = url
         self._lock = threading.Lock()
+        self._connections = threading.local()
+        self._opened: list[Any] = []  # every thread's connection, closed with the reader or when it is collected
+        weakref.finalize(self, _close_all, self._opened)
 
     def start(self) -> None:
-        """Learn the size and identity with one speculative read of the file's start."""
-        self._head = self._fetch(0, HEAD_GUESS, exact=False)
+        """Learn the size, identity and final location with one speculative read of the file's start."""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+            try:
+                self._head = self._first_request()
+                return
+            except _Transient as e:
+                last = str(e)
+        raise TreecliError(f"reading its first bytes failed {RETRIES + 1} times: {last}", file=self.path)
 
     def read(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (from the first read when it holds them)."""
         if offset + size <= len(self._head):
             return self._head[offset : offset + size]
-        return self._fetch(offset, size)
+        buffer = bytearray(size)
+        self._fetch_into(memoryview(buffer), offset)
+        return bytes(buffer)
 
     def read_into(self, buffer: Any, offset: int) -> None:
         view = memoryview(buffer.reshape(-1).view("uint8"))
-        if len(view):
-            view[:] = self.read(offset, len(view))
+        if offset + len(view) <= len(self._head):
+            view[:] = self._head[offset : offset + len(view)]
+        elif len(view):
+            self._fetch_into(view, offset)
 
     def close(self) -> None:
-        """Nothing stays open between requests."""
+        _close_all(self._opened)
 
-    def _fetch(self, offset: int, size: int, exact: bool = True) -> bytes:
-        last = ""
-        for attempt in range(RETRIES + 1):
-            if attempt:
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-            try:
-                return self._request(offset, size, exact)
-            except _Transient as e:
-                last = str(e)
-        raise TreecliError(f"reading bytes {offset}-{offset + size - 1} failed {RETRIES + 1} times: {last}",
-                           file=self.path)
-
-    def _request(self, offset: int, size: int, exact: bool) -> bytes:
-        request = urllib.request.Request(self.url, headers={**self._headers,
-                                                            "Range": f"bytes={offset}-{offset + size - 1}"})
+    def _first_request(self) -> bytes:
+        request = urllib.request.Request(self.url, headers={**self._headers, "Range": f"bytes=0-{HEAD_GUESS - 1}"})
         try:
             response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as e:
             e.close()
             if e.code >= 500 or e.code == 429:
                 raise _Transient(f"HTTP {e.code}") from None
-            if e.code == 416 and offset == 0 and not exact:  # an empty file
+            if e.code == 416:  # an empty file
                 self.size, self.identity = 0, e.headers.get("ETag") or e.headers.get("Last-Modified")
                 return b""
-            raise _http_error(e, self.path) from None
+            raise _status_error(e.code, e.reason, self.path) from None
         except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-            reason = getattr(e, "reason", e)
-            raise _Transient(f"{type(reason).__name__}: {reason}") from None
+            raise _Transient(f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}") from None
         with response:
-            if response.status != 206:
-                raise FormatError("the server ignores Range requests and sends the whole file; treecli reads "
-                                  "only the byte ranges it needs", file=self.path)
-            total = _total_size(response.headers.get("Content-Range", ""), offset, self.path)
-            identity = response.headers.get("ETag") or response.headers.get("Last-Modified")
-            with self._lock:
-                if self.size is None:
-                    self.size, self.identity = total, identity
-                elif (total, identity) != (self.size, self.identity):
-                    raise FormatError("the file changed on the server while it was read (its ETag or size "
-                                      "changed); run the command again", file=self.path)
-            wanted = min(size, total - offset)
+            self._target = response.geturl()
+            self._check(response.status, response.headers, 0)
             try:
-                body = response.read(wanted + 1)
+                body = response.read(min(HEAD_GUESS, self.size) + 1)
             except OSError as e:
                 raise _Transient(f"connection lost mid-body: {e}") from None
-        if len(body) != wanted:
-            raise _Transient(f"the server sent {len(body)} bytes of the {wanted} asked for")
+        if len(body) != min(HEAD_GUESS, self.size):
+            raise _Transient(f"the server sent {len(body)} bytes of the {min(HEAD_GUESS, self.size)} asked for")
         self.bytes_read += len(body)
         return body
+
+    def _fetch_into(self, view: memoryview, offset: int) -> None:
+        last = ""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+            try:
+                self._request_into(view, offset)
+                return
+            except _Transient as e:
+                broken, self._connections.conn = getattr(self._connections, "conn", None), None
+                if broken is not None:  # a fresh connection for the next try
+                    broken.close()
+                last = str(e)
+        raise TreecliError(f"reading bytes {offset}-{offset + len(view) - 1} failed {RETRIES + 1} times: {last}",
+                           file=self.path)
+
+    def _request_into(self, view: memoryview, offset: int) -> None:
+        import http.client
+
+        parts = urllib.parse.urlsplit(self._target)
+        connection = getattr(self._connections, "conn", None)
+        if connection is None:
+            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            connection = self._connections.conn = kind(parts.netloc, timeout=TIMEOUT_S)
+            with self._lock:
+                self._opened.append(connection)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        headers = self._headers if self._target == self.url else {  # the Hub's token stays with the Hub
+            k: v for k, v in self._headers.items() if k != "Authorization"}
+        try:
+            connection.request("GET", target, headers={**headers, "Range": f"bytes={offset}-{offset + len(view) - 1}"})
+            response = connection.getresponse()
+        except (http.client.HTTPException, OSError) as e:
+            raise _Transient(f"{type(e).__name__}: {e}") from None
+        try:
+            if response.status >= 500 or response.status == 429:
+                raise _Transient(f"HTTP {response.status}")
+            if response.status >= 300:
+                raise _status_error(response.status, response.reason, self.path)
+            self._check(response.status, response.headers, offset)
+            done = 0
+            while done < len(view):
+                n = response.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+        except (http.client.HTTPException, OSError) as e:
+            raise _Transient(f"connection lost mid-body: {e}") from None
+        finally:
+            response.close()
+        if done != len(view):
+            raise _Transient(f"the server sent {done} bytes of the {len(view)} asked for")
+        self.bytes_read += done
+
+    def _check(self, status: int, headers: Any, offset: int) -> None:
+        """A ranged answer, at the offset asked for, from the same version of the file."""
+        if status != 206:
+            raise FormatError("the server ignores Range requests and sends the whole file; treecli reads "
+                              "only the byte ranges it needs", file=self.path)
+        total = _total_size(headers.get("Content-Range", ""), offset, self.path)
+        identity = headers.get("ETag") or headers.get("Last-Modified")
+        with self._lock:
+            if self.size is None:
+                self.size, self.identity = total, identity
+            elif (total, identity) != (self.size, self.identity):
+                raise FormatError("the file changed on the server while it was read (its ETag or size "
+                                  "changed); run the command again", file=self.path)
+
+
+def _close_all(connections: list[Any]) -> None:
+    while connections:
+        connections.pop().close()
 
 
 class _Transient(Exception):
@@ -135,15 +207,15 @@ def _total_size(content_range: str, offset: int, url: str) -> int:
     return size
 
 
-def _http_error(error: urllib.error.HTTPError, url: str) -> TreecliError:
-    if error.code in (401, 403):
+def _status_error(code: int, reason: str, url: str) -> TreecliError:
+    if code in (401, 403):
         hint = " (set HF_TOKEN for a gated or private Hub repository)" if url.startswith("hf://") else ""
-        return FormatError(f"access denied (HTTP {error.code}){hint}", file=url)
-    if error.code == 404:
+        return FormatError(f"access denied (HTTP {code}){hint}", file=url)
+    if code == 404:
         return FormatError("not found (HTTP 404)", file=url)
-    if 300 <= error.code < 400:
-        return FormatError(f"too many redirects (HTTP {error.code}: a redirect loop?)", file=url)
-    return FormatError(f"the server refused it (HTTP {error.code} {error.reason})", file=url)
+    if 300 <= code < 400:
+        return FormatError(f"too many redirects (HTTP {code}: a redirect loop?)", file=url)
+    return FormatError(f"the server refused it (HTTP {code} {reason})", file=url)
 
 
 # --- the Hub -----------------------------------------------------------------------------------
@@ -178,7 +250,7 @@ def _get_text(url: str, headers: dict[str, str], name: str) -> str | None:
         e.close()
         if e.code == 404:
             return None
-        raise _http_error(e, name) from None
+        raise _status_error(e.code, e.reason, name) from None
     except (urllib.error.URLError, OSError) as e:
         raise TreecliError(f"cannot connect: {getattr(e, 'reason', e)}", file=name) from None
     if len(body) > MAX_INDEX_BYTES:
@@ -226,6 +298,7 @@ def _open_file(url: str, location: str, headers: dict[str, str]) -> Checkpoint:
     tree, warning = _flatkeys.nest(items, ".")
     checkpoint = Checkpoint(tree=tree, format=safetensors.FORMAT.name, file=url, metadata=dict(metadata))
     checkpoint.warnings.extend([warning] if warning else [])
+    checkpoint._closers.append(reader.close)
     return checkpoint
 
 
