@@ -259,6 +259,7 @@ def test_lazy_leaves_index_and_convert(tmp_path):
     tree = treecli.load(path)
     np.testing.assert_array_equal(tree["w"][1], data[1])
     np.testing.assert_array_equal(tree["w"][1:3, ::2], data[1:3, ::2])
+    assert len(tree["w"]) == 4 and [row.tolist() for row in tree["w"]] == data.tolist()
     assert jnp.asarray(tree["h"]).dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(jnp.asarray(tree["w"])), data)
     eager = treecli.load(path, lazy=False)

@@ -92,6 +92,20 @@ class ArrayLeaf:
         """``leaf[index]``: reads only what the index needs where the format allows."""
         return self.read(index)
 
+    def __bool__(self) -> bool:
+        return True  # a leaf is an object that is there, never judged by its length or its data
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d leaf")  # as NumPy says of a 0-d array
+        return self.shape[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Rows, each read when reached (a 0-d leaf is not iterable, as in NumPy)."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d leaf")
+        return (self.read(i) for i in range(self.shape[0]))
+
     def __array__(self, dtype=None, copy=None):
         data = self.read()
         return data if dtype is None else data.astype(dtype)
