@@ -148,10 +148,6 @@ def llama70b(directory: Path) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
@@ -164,11 +160,13 @@ def main() -> None:
 
         (root / "repo").mkdir()
         llama70b(root / "repo")
-        local = median([run(["show", str(root / "repo"), "--json"], env)["seconds"] for _ in range(args.runs)])
+        local = statistics.median([run(["show", str(root / "repo"), "--json"], env)["seconds"]
+                                   for _ in range(args.runs)])
         print(f"show, 8-shard 70B-shaped repo: local {local:.3f} s")
         for latency in (0.0, 0.02, 0.1):
             server.latency = latency
-            remote = median([run(["show", "hf://bench/repo", "--json"], env)["seconds"] for _ in range(args.runs)])
+            remote = statistics.median([run(["show", "hf://bench/repo", "--json"], env)["seconds"]
+                                        for _ in range(args.runs)])
             floor = local + 2 * latency
             print(f"  hf:// at {latency * 1000:>3.0f} ms/request: {remote:.3f} s; local + 2 round trips "
                   f"{floor:.3f} s; ratio {remote / floor:.2f}x (target <= 1.5x)")
@@ -196,10 +194,10 @@ def main() -> None:
                 os.sync()
                 results[mode].append(run(["average", *inputs, "-o", str(out)], env))
         for mode, runs in results.items():
-            seconds = median([r["seconds"] for r in runs])
+            seconds = statistics.median([r["seconds"] for r in runs])
             print(f"average 3 x {nbytes / 2**30:.2f} GiB {mode}: {seconds:.2f} s "
                   f"({3 * nbytes / seconds / 2**20:.0f} MiB/s in), peak RSS {max(r['rss_mb'] for r in runs):.0f} MB")
-        ratio = median([r["seconds"] for r in results["local"]]) / median([r["seconds"] for r in results["remote"]])
+        ratio = statistics.median([r["seconds"] for r in results["local"]]) / statistics.median([r["seconds"] for r in results["remote"]])
         print(f"  remote throughput / local: {ratio:.2f}x (target >= 0.5x)")
         server.shutdown()
 

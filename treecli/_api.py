@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _diff, _edit, _pytree, _slice, _tree
+from treecli import _average, _diff, _edit, _pytree, _slice
 from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
 
@@ -95,7 +95,7 @@ def save(
     native, structure = _pytree.to_native(tree)
     fmt, _ = output_format(Path(path), format, None)
     if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
-        native = _tree.map_leaves(lambda _, x: _pytree.number_array(x), native)
+        native = _pytree.numbers_as_arrays(native)
     options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size,
                            drop_unsupported=drop_unsupported, leaf_order=structure.order if structure else None)
     return _save(native, path, format=format, options=options, force=force)
@@ -141,7 +141,7 @@ def diff(a: Any, b: Any, **options: Any) -> _diff.DiffResult:
     ``layers.0.weight`` of a module matches ``layers.0.weight`` of a safetensors
     file. Options: ``rtol``, ``atol``, ``where`` (see ``treecli._diff.diff``)."""
     def native(tree: Any) -> Any:  # a Python number compares with the 0-d array it is saved as
-        return _tree.map_leaves(lambda _, x: _pytree.number_array(x), _pytree.to_native(tree)[0])
+        return _pytree.numbers_as_arrays(_pytree.to_native(tree)[0])
 
     return _diff.diff(native(a), native(b), **options)
 

@@ -150,13 +150,17 @@ def convert(leaf: Any, like: Any) -> Any:
     return data
 
 
-def number_array(value: Any) -> Any:
-    """A Python number as the 0-d NumPy array Equinox would save; anything else as it is."""
-    if not isinstance(value, _NUMBERS):
-        return value
-    import numpy as np
+def numbers_as_arrays(tree: Any) -> Any:
+    """A native tree with each Python number as the 0-d NumPy array Equinox would save."""
 
-    return np.asarray(value)
+    def as_array(_: KeyPath, value: Any) -> Any:
+        if not isinstance(value, _NUMBERS):
+            return value
+        import numpy as np
+
+        return np.asarray(value)
+
+    return _tree.map_leaves(as_array, tree)
 
 
 # --- templates: load(path, like=...) and --like MODULE:ATTR -----------------------------------------

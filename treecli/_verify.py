@@ -56,9 +56,9 @@ def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | 
     from treecli.formats import eqx
 
     taken = eqx.records(tree, WriteOptions(drop_unsupported=True, leaf_order=leaf_order), "")
-    return ({f"[{i}] {text}": leaf for i, (text, leaf) in enumerate(taken)},
-            {f"[{i}] {text}": leaf for i, ((text, _), leaf) in enumerate(zip(taken, written))}
-            | {f"[{i}]": leaf for i, leaf in enumerate(written) if i >= len(taken)})
+    names = [f"[{i}] {text}" for i, (text, _) in enumerate(taken)]
+    return (dict(zip(names, (leaf for _, leaf in taken))),
+            {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
 
 
 def verifier(tree: Any, fmt: Any, dropped_allowed: bool,

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli.formats._base import Checkpoint
@@ -60,15 +60,7 @@ class HttpReader:
 
     def start(self) -> None:
         """Learn the size, identity and final location with one speculative read of the file's start."""
-        for attempt in range(RETRIES + 1):
-            if attempt:
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-            try:
-                self._head = self._first_request()
-                return
-            except _Transient as e:
-                last = str(e)
-        raise TreecliError(f"reading its first bytes failed {RETRIES + 1} times: {last}", file=self.path)
+        self._head = self._retrying(self._first_request, "reading its first bytes")
 
     def read(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (from the first read when it holds them)."""
@@ -115,20 +107,22 @@ class HttpReader:
         return body
 
     def _fetch_into(self, view: memoryview, offset: int) -> None:
+        self._retrying(lambda: self._request_into(view, offset), f"reading bytes {offset}-{offset + len(view) - 1}")
+
+    def _retrying(self, attempt: Callable[[], Any], what: str) -> Any:
+        """``attempt()``, tried again with backoff after a transient failure, on a fresh connection."""
         last = ""
-        for attempt in range(RETRIES + 1):
-            if attempt:
-                time.sleep(min(2.0, 0.1 * 2**attempt))
+        for tries in range(RETRIES + 1):
+            if tries:
+                time.sleep(min(2.0, 0.1 * 2**tries))
             try:
-                self._request_into(view, offset)
-                return
+                return attempt()
             except _Transient as e:
                 broken, self._connections.conn = getattr(self._connections, "conn", None), None
-                if broken is not None:  # a fresh connection for the next try
+                if broken is not None:
                     broken.close()
                 last = str(e)
-        raise TreecliError(f"reading bytes {offset}-{offset + len(view) - 1} failed {RETRIES + 1} times: {last}",
-                           file=self.path)
+        raise TreecliError(f"{what} failed {RETRIES + 1} times: {last}", file=self.path)
 
     def _request_into(self, view: memoryview, offset: int) -> None:
         import http.client
