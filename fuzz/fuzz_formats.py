@@ -33,6 +33,8 @@ with atheris.instrument_imports():
     import treecli._escape
     import treecli._keypath
     import treecli.formats
+    import treecli._bytes.local
+    import treecli._bytes.stream
     import treecli.formats._filedata
     import treecli.formats._flatkeys
     import treecli.formats._foreign

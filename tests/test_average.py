@@ -67,7 +67,7 @@ def test_leaves_computed_in_blocks_on_two_threads_match_the_reference(dtype):
 def test_two_threads_fill_each_block_once_and_pass_on_an_error():
     import threading
 
-    from treecli import _leaf
+    from treecli._bytes import stream
 
     out = np.zeros(1000, np.int64)
     calls, lock = [], threading.Lock()
@@ -77,7 +77,7 @@ def test_two_threads_fill_each_block_once_and_pass_on_an_error():
         with lock:
             calls.append((start, stop))
 
-    _leaf.on_two_threads(fill, 5, 1005, out, 64)
+    stream.on_two_threads(fill, 5, 1005, out, 64)
     assert (out == np.arange(5, 1005)).all()
     assert sorted(calls) == [(s, min(1005, s + 64)) for s in range(5, 1005, 64)]
 
@@ -86,10 +86,10 @@ def test_two_threads_fill_each_block_once_and_pass_on_an_error():
             raise ValueError("block 3 is bad")
 
     with pytest.raises(ValueError, match="block 3 is bad"):
-        _leaf.on_two_threads(failing, 5, 1005, out, 64)
+        stream.on_two_threads(failing, 5, 1005, out, 64)
 
     # called from the helper thread itself (nested computed leaves), it runs inline instead of deadlocking
-    nested = _leaf._pool("half").submit(_leaf.on_two_threads, fill, 5, 1005, out, 64)
+    nested = stream._pool("half").submit(stream.on_two_threads, fill, 5, 1005, out, 64)
     nested.result(timeout=30)
 
 

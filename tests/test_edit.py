@@ -158,11 +158,11 @@ def test_cli_edit_writes_only_what_was_named_and_keeps_other_bytes(cli, tmp_path
 
 
 def test_cli_dry_run_reads_no_data_and_writes_nothing(cli, tmp_path, monkeypatch):
-    from treecli.formats import _filedata
+    from treecli._bytes import local
 
     path = _make(tmp_path)
     before = snapshot(tmp_path)
-    monkeypatch.setattr(_filedata.FileReader, "read_into", lambda *a: pytest.fail("dry run read data"))
+    monkeypatch.setattr(local.FileReader, "read_into", lambda *a: pytest.fail("dry run read data"))
     result = cli("edit", path, "--dry-run", "--cast", "**=float16", "--delete", "opt")
     assert result.code == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()[1:]]

@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import time
-import zipfile
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 import treecli
 from treecli import _atomic
 
-from .conftest import BF16, assert_clean_error, bits, snapshot
+from .conftest import BF16, assert_clean_error, bits
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -268,17 +267,17 @@ def test_convert_verifies_the_temporary_so_a_mismatch_keeps_the_old_output(cli, 
     save_file(weights(), str(src))
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"the previous output")
-    from treecli.formats import safetensors as st
+    from treecli._bytes import stream
 
-    original = st.write_leaf_bytes
+    original = stream.write_leaf
 
-    def corrupting(f, leaf, key, *args):
-        original(f, leaf, key, *args)
-        if key == "pooler.b":
+    def corrupting(f, leaf, **kwargs):
+        original(f, leaf, **kwargs)
+        if kwargs["keypath"] == "pooler.b":
             f.seek(-1, os.SEEK_CUR)
             f.write(b"\x7f")
 
-    monkeypatch.setattr(st, "write_leaf_bytes", corrupting)
+    monkeypatch.setattr(stream, "write_leaf", corrupting)
     result = cli("convert", src, out, "--force", "-q")
     assert_clean_error(result, "verification failed")
     assert "pooler.b" in result.stderr
@@ -414,7 +413,7 @@ def _fail(*args, **kwargs):
 
 
 @pytest.mark.parametrize("fmt,patch", [
-    ("safetensors", ("treecli.formats.safetensors", "write_leaf_bytes")),
+    ("safetensors", ("treecli._bytes.stream", "write_leaf")),
     ("sharded", ("treecli.formats.safetensors", "_write_index")),
     ("npz", ("numpy.lib.format", "write_array_header_1_0")),
     ("msgpack", ("msgpack", "packb")),

@@ -322,22 +322,22 @@ def test_a_reader_collected_while_the_pool_is_busy_never_deadlocks(tmp_path):
     """The collector runs finalizers wherever it likes: inside the pool's own locked section too."""
     import threading
 
-    from treecli.formats import _filedata
+    from treecli._bytes import local
 
     path = treecli.save({"w": np.arange(4, dtype=np.float32)}, tmp_path / "m.safetensors")
-    reader = _filedata.FileReader(str(path))
-    with _filedata._POOL.descriptor(reader) as fd:
+    reader = local.FileReader(str(path))
+    with local._POOL.descriptor(reader) as fd:
         pass
 
     def collected_inside_the_lock():
-        with _filedata._POOL._lock:
-            _filedata._POOL.collected(reader.token)
+        with local._POOL._lock:
+            local._POOL.collected(reader.token)
 
     worker = threading.Thread(target=collected_inside_the_lock, daemon=True)
     worker.start()
     worker.join(timeout=10)
     assert not worker.is_alive()
-    with _filedata._POOL.descriptor(_filedata.FileReader(str(path))):  # the next user closes it
+    with local._POOL.descriptor(local.FileReader(str(path))):  # the next user closes it
         pass
     with pytest.raises(OSError):
         os.fstat(fd)

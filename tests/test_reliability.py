@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import time
-import zipfile
 
 import msgpack
 import numpy as np

@@ -226,9 +226,9 @@ def test_python_api_loads_urls(server, tmp_path):
     (lambda s: s.status.update({"/m.safetensors": 503}), "failed 5 times"),
 ])
 def test_failures_are_one_line_naming_the_url(setup, fragment, server, tmp_path, cli, monkeypatch):
-    from treecli.formats import _remote
+    from treecli._bytes import http
 
-    monkeypatch.setattr(_remote.time, "sleep", lambda s: None)  # the backoff, not what is tested
+    monkeypatch.setattr(http.time, "sleep", lambda s: None)  # the backoff, not what is tested
     if "404" not in fragment:
         _publish(server, "/m.safetensors", _model(), tmp_path)
     setup(server)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import os
 import secrets
 import shutil
 import stat
 import time
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 from treecli._errors import NotDurableError
 
@@ -49,42 +48,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# Data written since the last hint, before the kernel is asked to start writing it
-# to disk. Without hints a 1 GiB output stays dirty in memory (under the kernel's
-# own threshold) and the final fsync then waits for all of it: `average` of
-# 3 x 1 GiB spent 1.8 s in that fsync after 1.5 s of computing.
-WRITEBACK_BYTES = 32 << 20
-
-
-class Writeback:
-    """Starts the disk writing a file's data while more is being produced.
-
-    Call it after each write; every WRITEBACK_BYTES it hands what was written
-    since to the kernel's writeback (posix_fadvise DONTNEED starts it). The same
-    call covers the window before too: written back by then, its pages are clean
-    and DONTNEED drops them, so a big output does not evict the inputs. (Pages
-    still being written when first hinted are never dropped by that first hint.)
-    """
-
-    def __init__(self, f: BinaryIO):
-        self._f = f
-        self._previous = 0  # start of the last window hinted
-        self._hinted = 0  # end of it
-        self._enabled = hasattr(os, "posix_fadvise")
-
-    def __call__(self) -> None:
-        if not self._enabled:
-            return
-        try:
-            end = self._f.tell()
-            if end - self._hinted >= WRITEBACK_BYTES:
-                self._f.flush()
-                os.posix_fadvise(self._f.fileno(), self._previous, end - self._previous, os.POSIX_FADV_DONTNEED)
-                self._previous, self._hinted = self._hinted, end
-        except (AttributeError, OSError, io.UnsupportedOperation):  # not a plain file: only a hint is lost
-            self._enabled = False
 
 
 def temp_name(target: Path) -> Path:

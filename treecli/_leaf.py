@@ -16,12 +16,7 @@ Format modules subclass it for lazy file-backed leaves; operations build
 
 from __future__ import annotations
 
-import collections
-import itertools
 import math
-import queue
-import threading
-from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterator
 
 from treecli import _dtypes
@@ -224,136 +219,6 @@ def _index_array(array: Any, index: Any) -> Any:
     """``array[index]``, but the whole array for ``()``: indexing a 0-d array with ``()``
     gives a NumPy scalar, which would canonicalize a bool's byte (0x02 -> 0x01)."""
     return array if index == () else array[index]
-
-
-class _Worker:
-    """One daemon thread that runs submitted calls in order, returning futures.
-
-    Not a ThreadPoolExecutor: its workers are joined when the interpreter exits, and
-    one whose start a Ctrl-C interrupted was never registered to be told to stop, so
-    exit waited on it forever. A daemon thread never holds up exit, for the CLI and
-    for a Python caller of the library alike.
-    """
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"treecli-{name}", daemon=True)
-        self.thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            future, fn, args = self._queue.get()
-            if not future.set_running_or_notify_cancel():  # cancelled while it waited
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-
-
-_pools: dict[str, _Worker] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(name: str) -> _Worker:
-    with _pools_lock:
-        if name not in _pools:
-            _pools[name] = _Worker(name)
-        return _pools[name]
-
-
-def _on_pool_thread(name: str) -> bool:
-    """Whether the calling thread is the worker of ``_pool(name)``."""
-    worker = _pools.get(name)
-    return worker is not None and threading.current_thread() is worker.thread
-
-
-_spare_buffers: list[Any] = []  # CHUNK_BYTES byte buffers, reused from leaf to leaf
-INLINE_BYTES = 1 << 20  # a leaf this small is read without the prefetch thread
-
-
-def iter_chunks(leaf: ArrayLeaf, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """The leaf's chunks in order, each computed in a background thread while the
-    caller consumes the previous one (writing overlaps reading and arithmetic).
-
-    A chunk is valid until the next one is asked for: leaves that fill buffers
-    take turns on two reused ones (touching fresh memory for every chunk of a
-    1 GiB output cost 60k page faults, a fifth of ``average``'s time).
-    Leaves of one small chunk are read in the caller's thread: a hand-off to the
-    background thread and back costs about 0.3 ms here, and a file of 60k small
-    tensors took 21 s to convert that way.
-    """
-    ranges = list(leaf.chunk_ranges(chunk_bytes))
-    if not ranges:
-        return
-    if len(ranges) == 1 and leaf.nbytes <= INLINE_BYTES:
-        yield leaf.read_flat(*ranges[0])
-        return
-    buffers: list[Any] = []
-    if leaf.fills_buffers and chunk_bytes <= CHUNK_BYTES:
-        import numpy as np
-
-        for _ in range(2):
-            buffers.append(_spare_buffers.pop() if _spare_buffers else np.empty(CHUNK_BYTES, np.uint8))
-        views = [b[: (ranges[0][1] - ranges[0][0]) * leaf.itemsize].view(leaf.dtype) for b in buffers]
-        turns = itertools.count()  # reads run one at a time, in order, on the prefetch thread
-
-        def read(start: int, stop: int):
-            out = views[next(turns) % 2][: stop - start]
-            leaf.read_into(start, stop, out)
-            return out
-    else:
-        read = leaf.read_flat
-
-    pool = _pool("prefetch")
-    future = pool.submit(read, *ranges[0])
-    try:
-        for i in range(len(ranges)):
-            chunk = future.result()
-            if i + 1 < len(ranges):
-                future = pool.submit(read, *ranges[i + 1])
-            yield chunk
-    finally:
-        future.cancel()
-        if buffers:
-            wait([future])  # never recycle a buffer the prefetch thread may still fill
-            _spare_buffers.extend(buffers)
-
-
-def on_two_threads(fill: Callable[[int, int, Any], None], start: int, stop: int, out: Any, block: int) -> None:
-    """Run ``fill(start, stop, out)`` in blocks of ``block`` elements on this thread and a
-    helper (NumPy releases the GIL), each taking the next block when it is free.
-
-    Not two fixed halves: the writer and the kernel's writeback share the two
-    cores, so one half often finished 0.5 s (a fifth of the run) before the other.
-    """
-    # On the helper itself (a computed leaf read by another's fill), waiting for a
-    # second task of its one-thread pool would wait forever.
-    if stop - start < 2 * block or _on_pool_thread("half"):
-        fill(start, stop, out)
-        return
-    blocks = iter(range(start, stop, block))  # next() on it is atomic under the GIL
-
-    def work() -> None:
-        for s in blocks:
-            e = min(stop, s + block)
-            fill(s, e, out[s - start : e - start])
-
-    future = _pool("half").submit(work)
-    try:
-        work()
-    except BaseException:
-        collections.deque(blocks, maxlen=0)  # let the helper stop early
-        wait([future])  # never leave it writing into a buffer the caller reuses
-        raise
-    future.result()
 
 
 def is_array(value: Any) -> bool:

@@ -72,6 +72,7 @@ def get(
 def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
     """A .npy file, streamed chunk by chunk through the atomic writer."""
     from treecli import _atomic
+    from treecli._bytes import stream
     from treecli._errors import UsageError
     from treecli.formats import _npy, _outputs
 
@@ -84,4 +85,4 @@ def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
                          file=str(path), keypath=keypath)
     _outputs.check_target(path, _outputs.sources_of([source]), force=force)
     with _atomic.atomic_file(path) as tmp, open(tmp, "wb") as f:
-        _npy.write(f, leaf, writeback=_atomic.Writeback(f))
+        _npy.write(f, leaf, file=str(path), keypath=keypath, writeback=stream.Writeback(f))

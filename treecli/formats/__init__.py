@@ -100,7 +100,7 @@ def _refuse_special(path: Path) -> None:
     import os
     import stat
 
-    from treecli.formats._filedata import refuse_special
+    from treecli._bytes.local import refuse_special
 
     mode = os.stat(path).st_mode
     if not stat.S_ISDIR(mode):

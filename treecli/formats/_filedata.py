@@ -1,173 +1,16 @@
-"""Leaves stored as contiguous C-order bytes at an offset in a file.
-
-Reads use ``preadv`` into preallocated arrays rather than a memory map: no
-double buffering, thread-safe without a shared file position, and no mapped
-pages lingering in the RSS users see. ``read(index)`` reads only the byte
-ranges the index touches (coalesced where the waste is small).
+"""Leaves stored as contiguous C-order bytes at an offset of a byte source (a local
+file, or a remote object: see ``treecli._bytes``). ``read(index)`` reads only the
+byte ranges the index touches (coalesced where the waste is small).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import itertools
 import math
-import os
-import stat
-import threading
-import weakref
-from typing import Any, BinaryIO, Iterator
+from typing import Any
 
 from treecli import _dtypes, _index
-from treecli._errors import FormatError, TreecliError
+from treecli._bytes import Source
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
-
-
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
-
-
-def special_kind(mode: int) -> str | None:
-    """"a FIFO", "a socket", "a character device", "a block device" for such a file; else None."""
-    return _KINDS.get(stat.S_IFMT(mode)) if stat.S_IFMT(mode) != stat.S_IFDIR else None
-
-
-def refuse_special(path: str | os.PathLike, mode: int) -> None:
-    """Only regular files are read: a FIFO would block forever and /dev/zero never ends."""
-    if not stat.S_ISREG(mode):
-        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-        raise FormatError(f"is {kind}; treecli reads only regular files", file=str(path))
-
-
-def open_regular(path: str | os.PathLike) -> BinaryIO:
-    """Open an input file for reading, refusing at once anything but a regular file
-    (without blocking: opening a FIFO would wait for a writer)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        refuse_special(path, os.fstat(fd).st_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
-
-
-def read_text(path: str | os.PathLike) -> str:
-    """A small text file (JSON metadata) as UTF-8, from a regular file only."""
-    with open_regular(path) as f:
-        return f.read().decode("utf-8")
-
-
-def identity(info: os.stat_result) -> tuple[int, int, int, int]:
-    """What says a file is still the one whose header was validated: device, inode, size, mtime."""
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-
-
-class FileReader:
-    """An input file read with positionless ``preadv``, through a bounded pool of descriptors.
-
-    Data is read only from the file whose header was validated: every time a
-    descriptor is opened its identity (device, inode, size, mtime) is checked
-    against the one recorded then, so a shard replaced or rewritten while a
-    command runs is an error, never names from one file and bytes from another.
-    """
-
-    def __init__(self, path: str, file_identity: tuple[int, int, int, int] | None = None):
-        self.path = str(path)
-        self.identity = file_identity if file_identity is not None else identity(os.stat(self.path))
-        self.bytes_read = 0
-        self.token = next(_tokens)  # the pool's name for it: the pool holds no reference to the reader
-        # A tree from treecli.load() is often just dropped, never closed: its descriptor goes with it.
-        weakref.finalize(self, _POOL.collected, self.token)
-
-    def open_checked(self) -> int:
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO took its place
-        if identity(os.fstat(fd)) != self.identity:
-            os.close(fd)
-            raise FormatError("the file changed since it was opened (replaced or rewritten); run the command "
-                              "again", file=self.path)
-        return fd
-
-    def read_into(self, buffer, offset: int) -> None:
-        """Fill a C-contiguous NumPy array with the bytes at ``offset``."""
-        view = memoryview(buffer.reshape(-1).view("uint8"))
-        with _POOL.descriptor(self) as fd:
-            done = 0
-            while done < len(view):
-                try:
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                except OSError as e:  # EIO from a failing disk: the input's fault, named as such
-                    raise TreecliError(f"cannot read {len(view)} bytes at byte {offset + done}: "
-                                       f"{e.strerror or e}", file=self.path) from e
-                if n == 0:
-                    raise FormatError(
-                        f"file ended at byte {offset + done} while reading {len(view)} bytes at {offset}"
-                        " (was it truncated while open?)",
-                        file=self.path,
-                    )
-                done += n
-        self.bytes_read += done
-
-    def close(self) -> None:
-        _POOL.close(self.token)
-
-
-class _DescriptorPool:
-    """At most ``limit`` input files open at once, least recently used closed first:
-    a checkpoint of 600 shards works under ``ulimit -n 256``. Keyed by reader
-    token, so that a reader nobody holds any more is collected (and its descriptor
-    closed) rather than kept alive by the pool."""
-
-    def __init__(self, limit: int):
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._open: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> [fd, users]
-        self._orphans: collections.deque[int] = collections.deque()  # tokens of collected readers, to close
-
-    @contextlib.contextmanager
-    def descriptor(self, reader: FileReader) -> Iterator[int]:
-        with self._lock:
-            self._close_orphans()
-            entry = self._open.pop(reader.token, None)
-            if entry is None:
-                entry = [reader.open_checked(), 0]
-            self._open[reader.token] = entry
-            entry[1] += 1  # reads under way: the pool never closes it then
-            idle = [token for token, (_, users) in self._open.items() if users == 0]
-            for oldest in idle[: max(0, len(self._open) - self._limit)]:
-                os.close(self._open.pop(oldest)[0])
-        try:
-            yield entry[0]
-        finally:
-            with self._lock:
-                entry[1] -= 1
-
-    def close(self, token: int) -> None:
-        with self._lock:
-            self._forget(token)
-
-    def collected(self, token: int) -> None:
-        """A reader's finalizer. The collector may run it anywhere, even inside this
-        pool's own locked section on this thread: it never waits for the lock, and
-        leaves the descriptor to the next user of the pool when the lock is taken."""
-        self._orphans.append(token)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._close_orphans()
-            finally:
-                self._lock.release()
-
-    def _close_orphans(self) -> None:
-        while self._orphans:
-            self._forget(self._orphans.popleft())
-
-    def _forget(self, token: int) -> None:
-        entry = self._open.pop(token, None)
-        if entry is not None:
-            os.close(entry[0])
-
-
-_tokens = itertools.count()
-_POOL = _DescriptorPool(64)
 
 
 class FileArrayLeaf(ArrayLeaf):
@@ -176,7 +19,7 @@ class FileArrayLeaf(ArrayLeaf):
     __slots__ = ("reader", "offset", "shape", "dtype_name")  # 200k-tensor headers: keep leaves small
     fills_buffers = True
 
-    def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], dtype_name: str):
+    def __init__(self, reader: Source, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader
         self.offset = offset
         self.shape = tuple(shape)
@@ -207,7 +50,7 @@ class FileArrayLeaf(ArrayLeaf):
         return out.reshape(final_shape)
 
 
-def _fill(reader: FileReader, offset: int, shape: tuple, sels: list, out, itemsize: int) -> None:
+def _fill(reader: Source, offset: int, shape: tuple, sels: list, out, itemsize: int) -> None:
     """Fill ``out`` with the selection ``sels`` of the C-order region at ``offset``."""
     import numpy as np
 

@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 from treecli._errors import FormatError, RefusedError
-from treecli.formats._filedata import open_regular
+from treecli._bytes.local import open_regular
 
 _PICKLE_ADVICE = (
     "loading a pickle can run arbitrary code, so treecli never does; where you trust the file, convert it: "

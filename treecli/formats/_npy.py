@@ -83,18 +83,18 @@ def _parse_dict(text: str) -> tuple[Any, bool, tuple[int, ...]]:
     return header["descr"], header["fortran_order"], shape
 
 
-def write(f: BinaryIO, leaf: Any, descr: str | None = None, writeback: Callable[[], None] | None = None,
-          progress: Callable[[int], None] | None = None) -> None:
+def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | None = None,
+          writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None) -> None:
     """Write an array leaf as one record, as ``np.save`` lays it out: a version 1.0
-    header (2.0 when it would not fit), then the data in C order, a chunk at a time.
+    header (2.0 when it would not fit), then the data in C order, streamed by
+    ``_bytes.stream.write_leaf`` (``writeback`` and ``progress`` as there).
 
     ``descr`` overrides the dtype's own (npz stores bfloat16 as ``|V2`` with its real
-    dtype beside); ``writeback`` is called after each chunk (``_atomic.Writeback``),
-    ``progress`` with each chunk's byte count.
+    dtype beside).
     """
     import numpy as np
 
-    from treecli import _leaf
+    from treecli._bytes import stream
 
     header = {"descr": descr or np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
               "shape": tuple(leaf.shape)}
@@ -102,10 +102,4 @@ def write(f: BinaryIO, leaf: Any, descr: str | None = None, writeback: Callable[
         np.lib.format.write_array_header_1_0(f, header)
     except ValueError:  # a header over 64 KiB needs format 2.0
         np.lib.format.write_array_header_2_0(f, header)
-    for chunk in _leaf.iter_chunks(leaf):
-        raw = chunk.reshape(-1).view(np.uint8)
-        f.write(raw)
-        if writeback:
-            writeback()
-        if progress:
-            progress(raw.nbytes)
+    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress)

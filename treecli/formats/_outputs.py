@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from treecli import _atomic
 from treecli._errors import UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import special_kind
+from treecli._bytes.local import special_kind
 
 def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
     """Refuse a target that may not be replaced; return its stat if it exists.

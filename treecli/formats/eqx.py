@@ -20,12 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from treecli import _atomic, _dtypes, _leaf, _pytree, _tree
+from treecli import _dtypes, _leaf, _pytree, _tree
+from treecli._bytes import stream
+from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, option
 from treecli._keypath import KeyPath, format_keypath
 from treecli.formats import _npy
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular
+from treecli.formats._filedata import FileArrayLeaf
 
 
 class _Format:
@@ -119,10 +121,10 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
 
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     with open(target, "wb") as f:
-        writeback = _atomic.Writeback(f)
-        for _, leaf in records(tree, options, str(target)):
+        writeback = stream.Writeback(f)
+        for key, leaf in records(tree, options, str(target)):
             # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.
-            _npy.write(f, leaf, writeback=writeback, progress=options.progress)
+            _npy.write(f, leaf, file=str(target), keypath=key, writeback=writeback, progress=options.progress)
 
 
 def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _leaf.ArrayLeaf]]:

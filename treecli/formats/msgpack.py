@@ -22,7 +22,7 @@ from treecli import _dtypes, _leaf, _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import open_regular
+from treecli._bytes.local import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"

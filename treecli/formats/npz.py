@@ -25,12 +25,14 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
-from treecli import _atomic, _dtypes, _leaf, _memory
+from treecli import _dtypes, _leaf, _memory
+from treecli._bytes import stream
+from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, TreecliError, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular
+from treecli.formats._filedata import FileArrayLeaf
 
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
@@ -314,7 +316,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                            "reads); write safetensors or msgpack instead", file=str(target))
     real_dtypes = {}
     with open(target, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        writeback = _atomic.Writeback(f)
+        writeback = stream.Writeback(f)
         for key, leaf in entries:
             dtype = leaf.dtype
             if dtype.kind == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):
@@ -326,7 +328,8 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
             info.compress_type = zipfile.ZIP_STORED
             info.file_size = leaf.nbytes  # a hint: zipfile picks zip64 when large
             with archive.open(info, "w", force_zip64=leaf.nbytes > 2**31) as member:
-                _npy.write(member, leaf, descr, writeback, options.progress)
+                _npy.write(member, leaf, file=str(target), keypath=key, descr=descr, writeback=writeback,
+                           progress=options.progress)
         if real_dtypes:
             info = zipfile.ZipInfo(METADATA_MEMBER, date_time=_FIXED_TIME)
             archive.writestr(info, json.dumps({"dtypes": real_dtypes}, sort_keys=True))

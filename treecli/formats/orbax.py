@@ -20,7 +20,7 @@ from treecli import _leaf, _memory, _tree
 from treecli._errors import FormatError, TreecliError, UsageError, in_cli, option
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
-from treecli.formats._filedata import read_text, refuse_special
+from treecli._bytes.local import read_text, refuse_special
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # The layout before _METADATA: the tree in a Flax msgpack file, arrays stored apart

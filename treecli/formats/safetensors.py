@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from treecli import _atomic, _dtypes, _gc, _leaf
+from treecli._bytes import stream
+from treecli._bytes.local import FileReader, identity, open_regular, read_text
 from treecli._errors import FormatError, NotDurableError, TreecliError, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf, FileReader, identity, open_regular, read_text
+from treecli.formats._filedata import FileArrayLeaf
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 _MAX_NDIM = 64  # NumPy's limit: every leaf becomes a NumPy array
@@ -548,33 +550,11 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        writeback = _atomic.Writeback(f)  # one per file: it hands on what was written since its last call
+        writeback = stream.Writeback(f)  # one per file: it hands on what was written since its last call
         for key, leaf in entries:
-            write_leaf_bytes(f, leaf, key, str(path), options, writeback)
+            stream.write_leaf(f, leaf, file=str(path), keypath=key, writeback=writeback, progress=options.progress)
         f.flush()
         os.fsync(f.fileno())
-
-
-def write_leaf_bytes(f: Any, leaf: Any, key: str, file: str, options: WriteOptions,
-                     writeback: _atomic.Writeback) -> None:
-    """Stream one leaf's bytes (little-endian, C order) to ``f``, chunk by chunk."""
-    import numpy as np
-
-    written = 0
-    for chunk in _leaf.iter_chunks(leaf):
-        if chunk.dtype != leaf.dtype:
-            raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
-                               file=file, keypath=key)
-        if chunk.dtype.byteorder == ">":
-            chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
-        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-        f.write(raw)
-        writeback()
-        written += raw.nbytes
-        if options.progress:
-            options.progress(raw.nbytes)
-    if written != leaf.nbytes:
-        raise TreecliError(f"internal error: wrote {written} bytes, expected {leaf.nbytes}", file=file, keypath=key)
 
 
 def _shards(entries: list[tuple[str, Any]], limit: int | None) -> list[list[tuple[str, Any]]]:
