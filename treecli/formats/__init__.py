@@ -60,7 +60,7 @@ def detect(path: Path) -> Any:
     raise FormatError(f"not a checkpoint treecli can read ({kind}; {'; '.join(reasons)})", file=str(path))
 
 
-URL_SCHEMES = ("http://", "https://", "hf://")  # read by byte ranges (_remote)
+URL_SCHEMES = ("http://", "https://", "hf://", "s3://", "gs://")  # read by byte ranges (_remote)
 
 
 def open_checkpoint(path: str | Path, format: str | None = None, **options: Any) -> Checkpoint:

@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from treecli._bytes import kvstore
 from treecli._bytes.http import TIMEOUT_S, HttpReader, status_error
 from treecli._errors import FormatError, TreecliError, UsageError
 from treecli.formats._base import Checkpoint
@@ -72,39 +73,93 @@ def _get_text(url: str, headers: dict[str, str], name: str) -> str | None:
         raise FormatError(f"the shard index is not UTF-8 (byte {e.start})", file=name) from None
 
 
+# --- where the files are: a Hub or HTTP directory, or a bucket prefix ----------------------------
+
+
+class _HttpPlace:
+    """Files under an HTTP(S) base URL (a Hub repository's resolve URL); ``files`` maps
+    a name to the exact URL the user gave for it (a query string and all)."""
+
+    def __init__(self, url: str, base: str, headers: dict[str, str], files: dict[str, str]):
+        self.url, self._base, self._headers, self._files = url, base, headers, files
+
+    def name(self, path: str) -> str:
+        return f"{self.url}/{path}"
+
+    def text(self, path: str, name: str) -> str | None:
+        return _get_text(self._files.get(path) or self._base + urllib.parse.quote(path), self._headers, name)
+
+    def reader(self, path: str, name: str) -> Any:
+        reader = HttpReader(self._files.get(path) or self._base + urllib.parse.quote(path), self._headers, name)
+        reader.start()
+        return reader
+
+
+class _BucketPlace:
+    """Objects under a key prefix of an S3 or GCS bucket, through TensorStore."""
+
+    def __init__(self, url: str, store: Any, prefix: str):
+        self.url, self._store, self._prefix = url, store, prefix
+
+    def name(self, path: str) -> str:
+        return f"{self.url.rstrip('/')}/{path}"
+
+    def text(self, path: str, name: str) -> str | None:
+        return kvstore.read_text(self._store, self._prefix + path, name, MAX_INDEX_BYTES)
+
+    def reader(self, path: str, name: str) -> Any:
+        reader = kvstore.KvstoreReader(self._store, self._prefix + path, name)
+        reader.start()
+        return reader
+
+
 # --- opening -------------------------------------------------------------------------------------
 
 
 def open_remote(url: str) -> Checkpoint:
     """A remote safetensors file or sharded repository, its headers read and validated
     as a local file's are (several shards' at once), its leaves lazy byte ranges."""
-    headers = _headers(url)
-    if url.startswith("hf://"):
+    if url.startswith(kvstore.SCHEMES):
+        store, key = kvstore.open_store(url)
+        if key.endswith((".safetensors", ".index.json")):
+            folder, _, path = key.rpartition("/")
+            place: Any = _BucketPlace(url.rsplit("/", 1)[0], store, folder + "/" if folder else "")
+        else:  # a directory: an HF layout, as a local directory is read
+            place, path = _BucketPlace(url.rstrip("/"), store, key.strip("/") + "/" if key.strip("/") else ""), ""
+    elif url.startswith("hf://"):
         base, path = _hub(url)
-        if not path:
-            text = _get_text(base + "model.safetensors.index.json", headers, url)
-            if text is not None:
-                return _open_sharded(url, base, text, headers)
-            path = "model.safetensors"
-        location = base + path
+        folder, _, path = path.rpartition("/")
+        shown = url.rsplit("/", 1)[0] if path else url.rstrip("/")
+        place = _HttpPlace(shown, base + (folder + "/" if folder else ""), _headers(url), {})
+        path = urllib.parse.unquote(path)
     else:
-        location, path = url, urllib.parse.urlsplit(url).path
+        parts = urllib.parse.urlsplit(url)
+        folder, _, path = parts.path.rpartition("/")
+        base = urllib.parse.urlunsplit(parts._replace(path=folder + "/", query="", fragment=""))
+        path = urllib.parse.unquote(path)
+        place = _HttpPlace(base.rstrip("/"), base, _headers(url), {path: url})
+    if not path:
+        text = place.text("model.safetensors.index.json", url)
+        if text is not None:
+            return _open_sharded(url, place, text)
+        path = "model.safetensors"
     if path.endswith(".index.json"):
-        text = _get_text(location, headers, url)
+        text = place.text(path, url)
         if text is None:
-            raise FormatError("not found (HTTP 404)", file=url)
-        return _open_sharded(url, location.rsplit("/", 1)[0] + "/", text, headers)
+            raise FormatError("not found", file=url)
+        return _open_sharded(url, place, text)
     if not path.endswith(".safetensors"):
-        raise UsageError("treecli reads remote safetensors files and Hub repositories (a URL ending in "
-                         ".safetensors or .index.json, or hf://ORG/REPO)", file=url)
-    return _open_file(url, location, headers)
+        raise UsageError("treecli reads remote safetensors files, HF layouts and Hub repositories (a URL ending in "
+                         ".safetensors or .index.json, hf://ORG/REPO, or a bucket directory)", file=url)
+    name = url if url.endswith(path) else place.name(path)
+    return _open_file(url, _read_header(place, path, name))
 
 
-def _open_file(url: str, location: str, headers: dict[str, str]) -> Checkpoint:
+def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:
     from treecli.formats import _flatkeys, safetensors
     from treecli.formats._filedata import FileArrayLeaf
 
-    reader, (tensors, metadata, _) = _read_header(location, headers, url)
+    reader, (tensors, metadata, _) = opened
     items = [(name, FileArrayLeaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
     checkpoint = Checkpoint(tree=tree, format=safetensors.FORMAT.name, file=url, metadata=dict(metadata))
@@ -113,15 +168,15 @@ def _open_file(url: str, location: str, headers: dict[str, str]) -> Checkpoint:
     return checkpoint
 
 
-def _read_header(location: str, headers: dict[str, str], name: str) -> tuple[HttpReader, tuple]:
+def _read_header(place: Any, path: str, name: str) -> tuple[Any, tuple]:
     from treecli.formats import safetensors
 
-    reader = HttpReader(location, headers, name)
-    reader.start()
-    return reader, safetensors.parse_header(reader.read, reader.size, name)
+    reader = place.reader(path, name)
+    size = reader.size if reader.size is not None else reader.check_end
+    return reader, safetensors.parse_header(reader.read, size, name)
 
 
-def _open_sharded(url: str, base: str, text: str, headers: dict[str, str]) -> Checkpoint:
+def _open_sharded(url: str, place: Any, text: str) -> Checkpoint:
     """The index, then every shard's header at once: one round trip of latency, not one per shard."""
     from treecli.formats import safetensors
 
@@ -132,8 +187,7 @@ def _open_sharded(url: str, base: str, text: str, headers: dict[str, str]) -> Ch
     def fetch(shard: str) -> None:
         with slots:
             try:
-                results[shard] = _read_header(base + urllib.parse.quote(shard), headers,
-                                              f"{url.rstrip('/')}/{shard}")
+                results[shard] = _read_header(place, shard, place.name(shard))
             except BaseException as e:  # handed to the caller's thread
                 results[shard] = e
 

@@ -127,24 +127,29 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]]
         return (*parse_header(read, info.st_size, str(path)), identity(info))
 
 
-def parse_header(read: Callable[[int, int], bytes], size: int,
+def parse_header(read: Callable[[int, int], bytes], size: int | Callable[[int], int],
                  file: str) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int]:
     """Validate the header of a safetensors file of ``size`` bytes, read through
     ``read(offset, count)`` (a local file, or byte ranges of a remote one): checked
-    against the size before anything is allocated. Returns ``read_header``'s first three."""
-    prefix = read(0, 8) if size >= 8 else b""
+    against the size before anything is allocated. Returns ``read_header``'s first three.
+
+    A bucket object's size is not known up front: ``size`` is then a function that
+    returns it given the end of the data the header declares, or says what is wrong."""
+    known = size if isinstance(size, int) else None
+    prefix = read(0, 8) if known is None or known >= 8 else b""
     if len(prefix) < 8:
-        raise FormatError(f"file is {size} bytes, too short for a safetensors header (8-byte length + JSON)", file=file)
+        raise FormatError(f"file is {known} bytes, too short for a safetensors header (8-byte length + JSON)",
+                          file=file)
     (header_len,) = struct.unpack("<Q", prefix)
     if header_len > MAX_HEADER_BYTES:
         raise FormatError(
             f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not safetensors)",
             file=file,
         )
-    if 8 + header_len > size:
+    if known is not None and 8 + header_len > known:
         raise FormatError(
             f"file is truncated: its header declares {header_len} header bytes, "
-            f"but the file is only {size} bytes",
+            f"but the file is only {known} bytes",
             file=file,
         )
     raw = read(8, header_len)
@@ -180,7 +185,7 @@ def _refuse_parse_bombs(raw: bytes, file: str) -> None:
                           file=file)
 
 
-def _check_header(pairs: "_Pairs", size: int, data_start: int, file: str) -> tuple[dict, dict[str, str], int]:
+def _check_header(pairs: "_Pairs", size: int | Callable[[int], int], data_start: int, file: str) -> tuple[dict, dict[str, str], int]:
     metadata: dict[str, str] = {}
     seen_metadata = False
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
@@ -231,7 +236,7 @@ def _refuse_overflow(shape: tuple[int, ...], itemsize: int, file: str, name: str
     raise FormatError(f"shape {list(shape)} overflows 64 bits when multiplied out", file=file, keypath=name)
 
 
-def _check_tiling(spans: list, size: int, data_start: int, file: str) -> None:
+def _check_tiling(spans: list, size: int | Callable[[int], int], data_start: int, file: str) -> None:
     """Sorted ``(begin, end, name)`` spans must tile the data region exactly: no gap, no overlap."""
     position = 0
     for begin, end, name in spans:
@@ -239,6 +244,8 @@ def _check_tiling(spans: list, size: int, data_start: int, file: str) -> None:
             what = "overlaps the previous tensor" if begin < position else f"leaves a gap at byte {position}"
             raise FormatError(f"data_offsets [{begin}, {end}) {what}", file=file, keypath=name)
         position = end
+    if not isinstance(size, int):
+        size = size(data_start + position)
     data_len = size - data_start
     if position != data_len:
         if position > data_len:

