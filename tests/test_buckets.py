@@ -317,3 +317,84 @@ def test_in_place_refuses_a_bucket_url(clouds_fresh, tmp_path, cli):
     _publish(clouds_fresh, url, _model(), tmp_path)
     assert_clean_error(cli("edit", url, "--in-place", "--scale", "**=2"), "--in-place")
 
+
+
+# --- Orbax checkpoints in buckets, through TensorStore's kvstore drivers -----------------------
+
+
+def _upload_tree(clouds: Clouds, local: Path, prefix: str) -> None:
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            clouds.put(f"{prefix}/{path.relative_to(local).as_posix()}", path.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def orbax_run(tmp_path_factory):
+    """A CheckpointManager root of two steps, each a PyTree item (OCDBT) and a JSON item,
+    and a PyTree checkpoint stored without OCDBT."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    base = tmp_path_factory.mktemp("orbax_buckets")
+    with ocp.CheckpointManager(str(base / "run")) as manager:
+        for step in (10, 20):
+            state = {"params": {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int64)},
+                     "step": np.asarray(step, np.int32)}
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave({"step": step})))
+        manager.wait_until_finished()
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    checkpointer.save(str(base / "plain"), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32)}))
+    return base
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_an_orbax_manager_root_in_a_bucket_reads_as_its_local_copy(scheme, orbax_run, clouds_fresh, cli):
+    url = f"{scheme}://{BUCKET}/runs/{scheme}"
+    _upload_tree(clouds_fresh, orbax_run / "run", url)
+    local = orbax_run / "run"
+    remote = cli("show", url, "--json")
+    assert remote.code == 0, remote.stderr
+    assert remote.json["format"] == "orbax"
+    assert _without_file(remote) == _without_file(cli("show", local, "--json"))
+    for step in ("10", "20"):
+        diff = cli("diff", url, local, "--step", step)  # --step applies to both sides
+        assert diff.code == 0, diff.stdout + diff.stderr
+    got = cli("get", url, "state.params.w", "--step", "10", "--json")
+    assert got.code == 0, got.stderr
+    assert got.json["value"] == [[10.0] * 3] * 4
+    assert_clean_error(cli("show", url, "--step", "15"), "no committed step 15")
+
+
+def test_an_orbax_checkpoint_without_ocdbt_in_a_bucket(orbax_run, clouds_fresh, tmp_path, cli):
+    url = f"gs://{BUCKET}/plain"
+    _upload_tree(clouds_fresh, orbax_run / "plain", url)
+    out = tmp_path / "w.safetensors"
+    converted = cli("convert", url, out)
+    assert converted.code == 0, converted.stderr
+    from safetensors.numpy import load_file
+
+    assert load_file(str(out))["w"].tolist() == list(range(6))
+
+
+def test_an_unfinished_orbax_step_in_a_bucket_is_skipped(orbax_run, clouds_fresh, cli):
+    url = f"s3://{BUCKET}/runs/pending"
+    _upload_tree(clouds_fresh, orbax_run / "run", url)
+    clouds_fresh.put(f"{url}/30.orbax-checkpoint-tmp-1/_CHECKPOINT_METADATA", b"{}")
+    result = cli("show", url, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json["step"] == 20 and "unfinished" in result.stderr
+
+
+def test_a_bucket_directory_without_a_checkpoint_is_one_line(clouds_fresh, cli):
+    url = f"s3://{BUCKET}/empty-dir"
+    clouds_fresh.put(f"{url}/README.md", b"hello")
+    assert_clean_error(cli("show", url), url, "no checkpoint here")
+
+
+def test_metadata_naming_an_array_outside_the_checkpoint_is_refused(orbax_run, clouds_fresh, tmp_path, cli):
+    url = f"s3://{BUCKET}/escape"
+    _upload_tree(clouds_fresh, orbax_run / "plain", url)
+    metadata = json.loads((orbax_run / "plain" / "_METADATA").read_text())
+    (entry,) = metadata["tree_metadata"].values()
+    metadata["tree_metadata"] = {"('../runs',)": {**entry, "key_metadata": [{"key": "../runs", "key_type": 2}]}}
+    clouds_fresh.put(f"{url}/_METADATA", json.dumps(metadata).encode())
+    assert_clean_error(cli("show", url), "outside the checkpoint")

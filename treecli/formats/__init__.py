@@ -67,30 +67,36 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     """Open a checkpoint lazily: metadata is read now, array data only when asked.
 
     ``path`` may be a URL: ``https://...``, ``http://...`` or ``hf://ORG/REPO``
-    (remote safetensors, read by byte ranges).
+    (remote safetensors, read by byte ranges), ``s3://BUCKET/KEY`` or
+    ``gs://BUCKET/KEY`` (safetensors, HF layouts and Orbax checkpoints).
     """
     if isinstance(path, str) and path.startswith(URL_SCHEMES):
-        if format not in (None, "safetensors"):
-            raise UsageError(f"treecli reads safetensors from a URL, not {format}", file=path)
         from treecli.formats import _remote  # urllib only when a URL is given
 
-        return _remote.open_remote(path)
-    path = Path(path)
-    fmt = get(format) if format else detect(path)
-    if format:
-        if not path.exists():
-            raise UsageError("no such file or directory", file=str(path))
-        _refuse_special(path)
+        def opening() -> Checkpoint:
+            return _remote.open_remote(path, format, options.get("step"))
+        name = format or "a remote checkpoint"
+    else:
+        path = Path(path)
+        fmt = get(format) if format else detect(path)
+        if format:
+            if not path.exists():
+                raise UsageError("no such file or directory", file=str(path))
+            _refuse_special(path)
+
+        def opening() -> Checkpoint:
+            return fmt.open(path, **options)
+        name = fmt.name
     try:
-        checkpoint = fmt.open(path, **options)
+        checkpoint = opening()
     except TreecliError as e:
         raise e.with_file(str(path))
     except Exception as e:
         # The safety net: whatever a damaged file makes a library raise (zipfile's
         # NotImplementedError, struct.error, ...) is one clean line; --debug shows the chain.
-        raise FormatError(f"cannot read it as {fmt.name}: {type(e).__name__}: {str(e)[:200]}",
+        raise FormatError(f"cannot read it as {name}: {type(e).__name__}: {str(e)[:200]}",
                           file=str(path)) from e
-    if checkpoint.origin is None and path.is_file():  # the single-file formats
+    if checkpoint.origin is None and isinstance(path, Path) and path.is_file():  # the single-file formats
         checkpoint.origin = Origin("file", path, [path])
     return checkpoint
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from treecli._bytes import kvstore
 from treecli._bytes.http import TIMEOUT_S, HttpReader, status_error
-from treecli._errors import FormatError, TreecliError, UsageError
+from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats._base import Checkpoint
 
 MAX_INDEX_BYTES = 64 << 20
@@ -116,16 +116,22 @@ class _BucketPlace:
 # --- opening -------------------------------------------------------------------------------------
 
 
-def open_remote(url: str) -> Checkpoint:
+def open_remote(url: str, format: str | None = None, step: int | None = None) -> Checkpoint:
     """A remote safetensors file or sharded repository, its headers read and validated
-    as a local file's are (several shards' at once), its leaves lazy byte ranges."""
+    as a local file's are (several shards' at once), its leaves lazy byte ranges; or an
+    Orbax checkpoint in a bucket, read through TensorStore as a local one is."""
+    if format not in (None, "safetensors", "orbax") or (format == "orbax" and not url.startswith(kvstore.SCHEMES)):
+        raise UsageError(f"treecli reads safetensors from URLs, and Orbax from s3:// and gs://; not {format}",
+                         file=url)
+    if step is not None and not url.startswith(kvstore.SCHEMES):
+        raise UsageError(f"{option('step', step)} applies to an Orbax CheckpointManager root", file=url)
     if url.startswith(kvstore.SCHEMES):
         store, key = kvstore.open_store(url)
-        if key.endswith((".safetensors", ".index.json")):
+        if key.endswith((".safetensors", ".index.json")) and format != "orbax" and step is None:
             folder, _, path = key.rpartition("/")
             place: Any = _BucketPlace(url.rsplit("/", 1)[0], store, folder + "/" if folder else "")
-        else:  # a directory: an HF layout, as a local directory is read
-            place, path = _BucketPlace(url.rstrip("/"), store, key.strip("/") + "/" if key.strip("/") else ""), ""
+        else:  # a directory: an HF layout or an Orbax checkpoint, as a local directory is read
+            return _open_bucket_directory(url, store, key, format, step)
     elif url.startswith("hf://"):
         base, path = _hub(url)
         folder, _, path = path.rpartition("/")
@@ -153,6 +159,23 @@ def open_remote(url: str) -> Checkpoint:
                          ".safetensors or .index.json, hf://ORG/REPO, or a bucket directory)", file=url)
     name = url if url.endswith(path) else place.name(path)
     return _open_file(url, _read_header(place, path, name))
+
+
+def _open_bucket_directory(url: str, store: Any, key: str, format: str | None, step: int | None) -> Checkpoint:
+    from treecli.formats import orbax
+    from treecli.formats._folder import BucketFolder
+
+    folder = BucketFolder.open(url)
+    if format != "orbax" and step is None:
+        place = _BucketPlace(url.rstrip("/"), store, key.strip("/") + "/" if key.strip("/") else "")
+        if folder.is_file("model.safetensors.index.json"):
+            return _open_sharded(url, place, place.text("model.safetensors.index.json", url) or "")
+        if folder.is_file("model.safetensors"):
+            return _open_file(url, _read_header(place, "model.safetensors", place.name("model.safetensors")))
+    if format == "safetensors" or not orbax.is_checkpoint(folder):
+        raise FormatError("no checkpoint here: no model.safetensors, shard index, or Orbax checkpoint "
+                          f"({len(folder.subfolders())} subdirectories)", file=url)
+    return orbax.open_folder(folder, step)
 
 
 def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:

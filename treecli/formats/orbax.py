@@ -19,8 +19,9 @@ from typing import Any
 from treecli import _leaf, _memory, _tree
 from treecli._errors import FormatError, TreecliError, UsageError, in_cli, option
 from treecli._keypath import format_keypath
+from treecli._bytes.local import refuse_special
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
-from treecli._bytes.local import read_text, refuse_special
+from treecli.formats._folder import Folder, LocalFolder
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # The layout before _METADATA: the tree in a Flax msgpack file, arrays stored apart
@@ -40,30 +41,13 @@ class _Format:
     def sniff(self, path: Path) -> str | None:
         if not path.is_dir():
             return "not a directory"
-        if any((path / name).is_file() for name in ("_METADATA", "_CHECKPOINT_METADATA", _AGGREGATE)) \
-                or _steps(path)[0]:
+        if is_checkpoint(LocalFolder(path)):
             return None
         return "no _METADATA, _CHECKPOINT_METADATA or step directories"
 
     def open(self, path: Path, step: int | None = None, **_: Any) -> Checkpoint:
-        path = Path(path)
-        _refuse_escaping_symlinks(path)
-        steps, pending = _steps(path)
-        if steps:
-            return _open_manager_root(path, steps, pending, step)
-        if step is not None:
-            raise UsageError(f"{option('step', step)} applies to a CheckpointManager root; this is a single checkpoint",
-                             file=str(path))
-        if _TMP_MARK in path.name:
-            raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=str(path))
-        if not _committed(path):
-            raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
-                              "_CHECKPOINT_METADATA (the save did not finish)", file=str(path))
-        if (path / "_METADATA").is_file() or (path / _AGGREGATE).is_file():
-            checkpoint = Checkpoint(tree=None, format="orbax", file=str(path), origin=Origin("directory", path, [path]))
-            checkpoint.tree = _open_pytree(path, checkpoint)
-            return checkpoint
-        return _open_step(path)
+        _refuse_escaping_symlinks(Path(path))
+        return open_folder(LocalFolder(Path(path)), step)
 
     def owns(self, name: str) -> bool:
         """Whether a directory entry is one Orbax's writer writes."""
@@ -76,6 +60,37 @@ class _Format:
 FORMAT = _Format()
 
 
+def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
+    """An Orbax checkpoint, CheckpointManager step or root in a local directory or a bucket."""
+    steps, pending = _steps(folder)
+    if steps:
+        return _open_manager_root(folder, steps, pending, step)
+    if step is not None:
+        raise UsageError(f"{option('step', step)} applies to a CheckpointManager root; this is a single checkpoint",
+                         file=folder.name)
+    if _TMP_MARK in folder.name.rsplit("/", 1)[-1]:
+        raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=folder.name)
+    if not _committed(folder):
+        raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
+                          "_CHECKPOINT_METADATA (the save did not finish)", file=folder.name)
+    if folder.is_file("_METADATA") or folder.is_file(_AGGREGATE):
+        checkpoint = Checkpoint(tree=None, format="orbax", file=folder.name, origin=_origin("directory", folder))
+        checkpoint.tree = _open_pytree(folder, checkpoint)
+        return checkpoint
+    return _open_step(folder)
+
+
+def is_checkpoint(folder: Folder) -> bool:
+    """Whether a directory holds an Orbax checkpoint, step or CheckpointManager root."""
+    return any(folder.is_file(name) for name in ("_METADATA", "_CHECKPOINT_METADATA", _AGGREGATE)) \
+        or bool(_steps(folder)[0])
+
+
+def _origin(kind: str, folder: Folder) -> Origin | None:
+    """Where --in-place would write: local directories only."""
+    return Origin(kind, folder.path, [folder.path]) if isinstance(folder, LocalFolder) else None
+
+
 # --- layout ---------------------------------------------------------------------------------
 
 
@@ -84,78 +99,73 @@ FORMAT = _Format()
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")
 
 
-def _steps(root: Path) -> tuple[dict[int, str], list[str]]:
+def _steps(root: Folder) -> tuple[dict[int, str], list[str]]:
     """Committed steps under a CheckpointManager root (step -> directory name), and the
     names of the unfinished ones."""
     steps: dict[int, str] = {}
     pending = []
-    try:
-        entries = sorted(root.iterdir())
-    except OSError:
-        return {}, []
-    for entry in entries:
-        if not entry.is_dir():
-            continue
-        match = _STEP_NAME.fullmatch(entry.name)
-        if _TMP_MARK in entry.name:
-            pending.append(entry.name)
-        elif match and (entry / "_CHECKPOINT_METADATA").is_file():
-            if _committed(entry):
-                steps.setdefault(int(match.group(1)), entry.name)
+    for name in root.subfolders():
+        match = _STEP_NAME.fullmatch(name)
+        if _TMP_MARK in name:
+            pending.append(name)
+        elif match and root.child(name).is_file("_CHECKPOINT_METADATA"):
+            if _committed(root.child(name)):
+                steps.setdefault(int(match.group(1)), name)
             else:
-                pending.append(entry.name)
+                pending.append(name)
     return dict(sorted(steps.items())), pending
 
 
-def _committed(directory: Path) -> bool:
+def _committed(directory: Folder) -> bool:
     """Orbax marks a finished save with commit_success.txt, or a commit time in _CHECKPOINT_METADATA."""
-    if (directory / "commit_success.txt").is_file():
+    if directory.is_file("commit_success.txt"):
         return True
     try:
-        metadata = json.loads(read_text(directory / "_CHECKPOINT_METADATA"))
-    except (OSError, ValueError):
+        metadata = json.loads(directory.read_text("_CHECKPOINT_METADATA"))
+    except (OSError, ValueError, TreecliError):
         return False
     return isinstance(metadata, dict) and bool(metadata.get("commit_timestamp_nsecs"))
 
 
-def _open_manager_root(root: Path, steps: dict[int, str], pending: list[str], step: int | None) -> Checkpoint:
+def _open_manager_root(root: Folder, steps: dict[int, str], pending: list[str], step: int | None) -> Checkpoint:
     chosen = max(steps) if step is None else step
     if chosen not in steps:
-        raise UsageError(f"no committed step {chosen}; steps: {', '.join(map(str, steps))}", file=str(root))
-    checkpoint = _open_step(root / steps[chosen])
-    checkpoint.file = str(root)
-    checkpoint.origin = Origin("step", root, [root])
+        raise UsageError(f"no committed step {chosen}; steps: {', '.join(map(str, steps))}", file=root.name)
+    checkpoint = _open_step(root.child(steps[chosen]))
+    checkpoint.file = root.name
+    checkpoint.origin = _origin("step", root)
     checkpoint.info = {"steps": list(steps), "step": chosen, **checkpoint.info}
     if pending:
         checkpoint.warnings.append(f"ignoring unfinished step directories: {', '.join(pending)}")
     return checkpoint
 
 
-def _open_step(step_dir: Path) -> Checkpoint:
+def _open_step(step_dir: Folder) -> Checkpoint:
     """A CheckpointManager step: each item (a PyTree or a JSON file) is a top-level subtree."""
-    if not (step_dir / "_CHECKPOINT_METADATA").is_file():
-        raise FormatError("not an Orbax checkpoint: no _METADATA or _CHECKPOINT_METADATA", file=str(step_dir))
-    handlers = _read_json(step_dir / "_CHECKPOINT_METADATA")
+    if not step_dir.is_file("_CHECKPOINT_METADATA"):
+        raise FormatError("not an Orbax checkpoint: no _METADATA or _CHECKPOINT_METADATA", file=step_dir.name)
+    handlers = _read_json(step_dir, "_CHECKPOINT_METADATA")
     if isinstance(handlers, dict) and isinstance(handlers.get("item_handlers"), str):
         # A single-item checkpoint (StandardCheckpointer): its tree lives in _METADATA.
-        raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=str(step_dir))
-    checkpoint = Checkpoint(tree={}, format="orbax", file=str(step_dir), origin=Origin("step", step_dir, [step_dir]))
-    for item in sorted(p for p in step_dir.iterdir() if p.is_dir()):
-        if (item / "_METADATA").is_file() or (item / _AGGREGATE).is_file():
-            checkpoint.tree[item.name] = _open_pytree(item, checkpoint)
-        elif (item / "metadata").is_file():  # JsonSave writes ITEM/metadata
-            checkpoint.tree[item.name] = _read_json(item / "metadata")
+        raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=step_dir.name)
+    checkpoint = Checkpoint(tree={}, format="orbax", file=step_dir.name, origin=_origin("step", step_dir))
+    for name in step_dir.subfolders():
+        item = step_dir.child(name)
+        if item.is_file("_METADATA") or item.is_file(_AGGREGATE):
+            checkpoint.tree[name] = _open_pytree(item, checkpoint)
+        elif item.is_file("metadata"):  # JsonSave writes ITEM/metadata
+            checkpoint.tree[name] = _read_json(item, "metadata")
     if not checkpoint.tree:
-        raise FormatError("no readable items (each needs _METADATA or a JSON metadata file)", file=str(step_dir))
+        raise FormatError("no readable items (each needs _METADATA or a JSON metadata file)", file=step_dir.name)
     checkpoint.info["items"] = sorted(checkpoint.tree)
     return checkpoint
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(folder: Folder, name: str) -> Any:
     try:
-        return json.loads(read_text(path))
+        return json.loads(folder.read_text(name))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"cannot read it as JSON: {e}", file=str(path)) from None
+        raise FormatError(f"cannot read it as JSON: {e}", file=f"{folder.name}/{name}") from None
 
 
 def _refuse_escaping_symlinks(root: Path) -> None:
@@ -180,15 +190,14 @@ def _refuse_escaping_symlinks(root: Path) -> None:
 # --- the tree -------------------------------------------------------------------------------
 
 
-def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
-    if not (directory / "_METADATA").is_file():
+def _open_pytree(directory: Folder, checkpoint: Checkpoint) -> Any:
+    if not directory.is_file("_METADATA"):
         return _open_aggregate(directory)
-    metadata = _read_json(directory / "_METADATA")
+    metadata = _read_json(directory, "_METADATA")
     tree_metadata = metadata.get("tree_metadata") if isinstance(metadata, dict) else None
     if not isinstance(tree_metadata, dict):
-        raise FormatError("_METADATA has no tree_metadata object (missing or corrupt)", file=str(directory))
-    strings_path = directory / "_strings.json"
-    strings = _read_json(strings_path) if strings_path.is_file() else {}
+        raise FormatError("_METADATA has no tree_metadata object (missing or corrupt)", file=directory.name)
+    strings = _read_json(directory, "_strings.json") if directory.is_file("_strings.json") else {}
     entries = []
     for raw, entry in tree_metadata.items():
         try:
@@ -196,10 +205,10 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
             value = entry["value_metadata"]
             value_type = value["value_type"]
         except (KeyError, TypeError, ValueError):
-            raise FormatError(f"_METADATA entry {raw!r} is malformed", file=str(directory)) from None
+            raise FormatError(f"_METADATA entry {raw!r} is malformed", file=directory.name) from None
         if len(keypath) > _tree.MAX_DEPTH:
             raise FormatError(f"a key path of {len(keypath)} keys is deeper than treecli walks "
-                              f"({_tree.MAX_DEPTH})", file=str(directory))
+                              f"({_tree.MAX_DEPTH})", file=directory.name)
         entries.append((keypath, value_type, value.get("write_shape")))
     arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
     stores = _open_arrays(directory, {kp: _param_name(kp) for kp, _ in arrays},
@@ -211,8 +220,8 @@ def _open_pytree(directory: Path, checkpoint: Checkpoint) -> Any:
             store = stores[keypath]
             if write_shape is not None and list(store.shape) != list(write_shape):
                 raise FormatError(f"stored data has shape {list(store.shape)} but _METADATA says {write_shape}",
-                                  file=str(directory), keypath=name)
-            leaf = OrbaxLeaf(store, str(directory), name)
+                                  file=directory.name, keypath=name)
+            leaf = OrbaxLeaf(store, directory.name, name)
             items.append((keypath, leaf.read().item() if kind == "scalar" else leaf))
         elif kind == "string":
             items.append((keypath, strings.get(name)))
@@ -247,34 +256,36 @@ def _build(items: list[tuple[tuple, Any]]) -> Any:
     return lists(_tree.unflatten(items))
 
 
-def _open_aggregate(directory: Path) -> Any:
+def _open_aggregate(directory: Folder) -> Any:
     """The layout before ``_METADATA``: the tree from the msgpack aggregate file, each
     placeholder replaced by its array (stored with or without OCDBT, zarr or zarr3)."""
     from treecli.formats import msgpack as msgpack_format
 
-    with msgpack_format.FORMAT.open(directory / _AGGREGATE) as aggregate:
+    if not isinstance(directory, LocalFolder):
+        raise FormatError("Orbax's layout before _METADATA (a msgpack 'checkpoint' file) is read from local "
+                          "directories only; copy it here first", file=directory.name)
+    with msgpack_format.FORMAT.open(directory.path / _AGGREGATE) as aggregate:
         items = _tree.flatten(aggregate.tree)
     names = {kp: x[len(_PLACEHOLDER):] for kp, x in items if isinstance(x, str) and x.startswith(_PLACEHOLDER)}
-    use_ocdbt = (directory / "manifest.ocdbt").is_file()
-    use_zarr3 = any((directory / name / "zarr.json").is_file() for name in names.values())
+    use_ocdbt = directory.is_file("manifest.ocdbt")
+    use_zarr3 = any(directory.is_file(f"{name}/zarr.json") for name in names.values())
     stores = _open_arrays(directory, names, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
-    return _tree.unflatten([(kp, OrbaxLeaf(stores[kp], str(directory), names[kp]) if kp in names else x)
+    return _tree.unflatten([(kp, OrbaxLeaf(stores[kp], directory.name, names[kp]) if kp in names else x)
                             for kp, x in items], template=aggregate.tree)
 
 
-def _open_arrays(directory: Path, names: dict[tuple, str], *, use_ocdbt: bool, use_zarr3: bool) -> dict[tuple, Any]:
+def _open_arrays(directory: Folder, names: dict[tuple, str], *, use_ocdbt: bool, use_zarr3: bool) -> dict[tuple, Any]:
     """Open every array's tensorstore (metadata only), all at once; ``names`` maps each
     key path to the name its array is stored under."""
     import tensorstore as ts
 
     driver = "zarr3" if use_zarr3 else "zarr"
-    base = f"file://{os.path.abspath(directory)}"
     futures = {}
     for keypath, name in names.items():
         if use_ocdbt:
-            kvstore = {"driver": "ocdbt", "base": base, "path": name}
+            kvstore = {"driver": "ocdbt", "base": directory.kvstore(), "path": name}
         else:
-            kvstore = {"driver": "file", "path": _inside(directory, name, keypath) + "/"}
+            kvstore = directory.kvstore(_inside(directory, name, keypath))
         futures[keypath] = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True)
     stores = {}
     for keypath, future in futures.items():
@@ -282,20 +293,19 @@ def _open_arrays(directory: Path, names: dict[tuple, str], *, use_ocdbt: bool, u
             stores[keypath] = future.result()
         except Exception as e:  # tensorstore raises ValueError and friends with long messages
             message = str(e).splitlines()[0][:200]
-            raise FormatError(f"array data is missing or unreadable: {message}", file=str(directory),
+            raise FormatError(f"array data is missing or unreadable: {message}", file=directory.name,
                               keypath=names[keypath]) from None
     return stores
 
 
-def _inside(directory: Path, name: str, keypath: tuple) -> str:
+def _inside(directory: Folder, name: str, keypath: tuple) -> str:
     """The array directory a name in ``_METADATA`` stands for, which must lie inside the
     checkpoint: an absolute name or ``..`` would read a host file into an output."""
-    root = os.path.realpath(directory)
-    path = os.path.realpath(os.path.join(root, name))
-    if not path.startswith(root + os.sep):
+    inside = directory.inside(name)
+    if inside is None:
         raise FormatError(f"_METADATA names array {name!r}, which lies outside the checkpoint directory; refusing "
-                          "to read it", file=str(directory), keypath=format_keypath(keypath))
-    return path
+                          "to read it", file=directory.name, keypath=format_keypath(keypath))
+    return inside
 
 
 class OrbaxLeaf(_leaf.WholeLeaf):

@@ -1,0 +1,112 @@
+"""A checkpoint directory, local or a key prefix in an S3 or GCS bucket: what the
+directory formats (Orbax) ask of one — which files and subdirectories it holds,
+a small file's text, and the TensorStore kvstore spec of a file or subdirectory.
+
+A bucket's keys under the prefix are listed once, when it is opened, and the
+answers come from that list: a CheckpointManager root costs one listing, not a
+request per question.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from treecli._errors import FormatError
+
+MAX_TEXT_BYTES = 64 << 20  # metadata files (_METADATA, _CHECKPOINT_METADATA) are far smaller
+MAX_KEYS = 1_000_000  # a listing longer than this is no checkpoint directory
+
+
+class LocalFolder:
+    local = True
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.name = str(path)
+
+    def child(self, name: str) -> "LocalFolder":
+        return LocalFolder(self.path / name)
+
+    def is_file(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def subfolders(self) -> list[str]:
+        try:
+            return sorted(entry.name for entry in self.path.iterdir() if entry.is_dir())
+        except OSError:
+            return []
+
+    def read_text(self, name: str) -> str:
+        from treecli._bytes.local import read_text
+
+        return read_text(self.path / name)
+
+    def kvstore(self, name: str = "") -> dict[str, Any]:
+        return {"driver": "file", "path": os.path.abspath(self.path / name) + ("/" if name else "")}
+
+    def inside(self, name: str) -> str | None:
+        """``name`` if the file it names lies inside the directory, else None (an absolute
+        name, ``..`` or a symlink out would read a host file into an output)."""
+        root = os.path.realpath(self.path)
+        return name if os.path.realpath(os.path.join(root, name)).startswith(root + os.sep) else None
+
+
+class BucketFolder:
+    local = False
+
+    def __init__(self, url: str, store: Any, spec: dict[str, Any], keys: frozenset[str]):
+        self.name = url.rstrip("/")
+        self._store = store  # opened at the bucket's root; ``spec["path"]`` is this folder's prefix
+        self._spec = spec
+        self._keys = keys  # every key under the prefix, relative to it
+
+    @classmethod
+    def open(cls, url: str) -> "BucketFolder":
+        import tensorstore as ts
+
+        from treecli._bytes import kvstore
+
+        scheme, bucket, key = kvstore.split_url(url)
+        prefix = key.strip("/") + "/" if key.strip("/") else ""
+        spec = kvstore.spec(scheme, bucket)
+        try:
+            store = ts.KvStore.open(spec).result()
+            end = prefix[:-1] + chr(ord("/") + 1) if prefix else ""  # every key that starts with prefix
+            keys = store.list(ts.KvStore.KeyRange(prefix, end), strip_prefix_length=len(prefix)).result()
+        except Exception as e:
+            raise kvstore.describe(e, url) from None
+        if len(keys) > MAX_KEYS:
+            raise FormatError(f"holds over {MAX_KEYS} objects; no checkpoint directory does", file=url)
+        return cls(url, store, {**spec, "path": prefix}, frozenset(k.decode("utf-8", "replace") for k in keys))
+
+    def child(self, name: str) -> "BucketFolder":
+        inner = name.rstrip("/") + "/"
+        keys = frozenset(k[len(inner):] for k in self._keys if k.startswith(inner))
+        return BucketFolder(f"{self.name}/{name}", self._store, {**self._spec, "path": self._spec["path"] + inner},
+                            keys)
+
+    def is_file(self, name: str) -> bool:
+        return name in self._keys
+
+    def subfolders(self) -> list[str]:
+        return sorted({k.split("/", 1)[0] for k in self._keys if "/" in k})
+
+    def read_text(self, name: str) -> str:
+        from treecli._bytes import kvstore
+
+        text = kvstore.read_text(self._store, self._spec["path"] + name, f"{self.name}/{name}", MAX_TEXT_BYTES)
+        if text is None:
+            raise FormatError("not found (deleted while it was read?)", file=f"{self.name}/{name}")
+        return text
+
+    def kvstore(self, name: str = "") -> dict[str, Any]:
+        return {**self._spec, "path": self._spec["path"] + (name.rstrip("/") + "/" if name else "")}
+
+    def inside(self, name: str) -> str | None:
+        parts = name.split("/")
+        return None if name.startswith("/") or ".." in parts or "" in parts else name
+
+
+Folder = LocalFolder | BucketFolder
