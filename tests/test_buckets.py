@@ -12,6 +12,7 @@ import json
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Counting:
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range)
         self.bytes_served = 0
         self.status: dict[str, list[int]] = {}
+        self.fail = None  # environ -> a status to answer with, or None
         self.lock = threading.Lock()
 
     def reset(self) -> None:
@@ -44,15 +46,18 @@ class Counting:
             self.requests.clear()
             self.bytes_served = 0
             self.status.clear()
+            self.fail = None
 
     def __call__(self, environ, start_response):
         path = environ.get("PATH_INFO", "")
         with self.lock:
             self.requests.append((environ["REQUEST_METHOD"], path, environ.get("HTTP_RANGE", "")))
             fault = self.status.get(path)
+            code = fault[0] if fault and fault[1] > 0 else self.fail(environ) if self.fail else None
             if fault and fault[1] > 0:
                 fault[1] -= 1
-                start_response(f"{fault[0]} Injected", [("Content-Length", "0")])
+            if code:
+                start_response(f"{code} Injected", [("Content-Length", "0")])
                 return [b""]
         body = self.app(environ, start_response)
         for part in body:
@@ -398,3 +403,124 @@ def test_metadata_naming_an_array_outside_the_checkpoint_is_refused(orbax_run, c
     metadata["tree_metadata"] = {"('../runs',)": {**entry, "key_metadata": [{"key": "../runs", "key_type": 2}]}}
     clouds_fresh.put(f"{url}/_METADATA", json.dumps(metadata).encode())
     assert_clean_error(cli("show", url), "outside the checkpoint")
+
+
+# --- writing to buckets: uploads that appear only when complete -------------------------------
+
+
+def _object(clouds: Clouds, url: str) -> bytes | None:
+    """An object's bytes, read past treecli (None if there is none)."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if scheme == "s3":
+        try:
+            return clouds.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except clouds.s3.exceptions.NoSuchKey:
+            return None
+    name = urllib.request.quote(key, safe="")
+    try:
+        with urllib.request.urlopen(f"{clouds.gcs_url}/storage/v1/b/{bucket}/o/{name}?alt=media") as response:
+            return response.read()
+    except urllib.error.HTTPError as e:
+        e.close()
+        return None
+
+
+def _pending_uploads(clouds: Clouds) -> list:
+    return clouds.s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_convert_writes_a_bucket_object_bit_exact(scheme, clouds_fresh, tmp_path, cli, monkeypatch):
+    from treecli._bytes import upload
+
+    monkeypatch.setattr(upload, "PART_BYTES", 5 << 20)  # several parts from a 12 MB output
+    tensors = {**_model(), "big": np.random.default_rng(5).standard_normal(3 << 20).astype(np.float32),
+               "bf": np.arange(6, dtype=np.float32).astype(treecli_bf16())}
+    local = tmp_path / "m.safetensors"
+    save_file(tensors, str(local))
+    url = f"{scheme}://{BUCKET}/out/{scheme}-m.safetensors"
+    result = cli("convert", local, url)
+    assert result.code == 0, result.stderr
+    here = tmp_path / "here.safetensors"
+    assert cli("convert", local, here).code == 0
+    assert _object(clouds_fresh, url) == here.read_bytes()  # what a local write writes, byte for byte
+    again = cli("convert", local, url)
+    assert_clean_error(again, url, "exists", "--force")
+    assert cli("edit", local, "-o", url, "--scale", "big=2", "--force").code == 0
+    (tmp_path / "back.safetensors").write_bytes(_object(clouds_fresh, url))
+    assert (np.asarray(treecli.load(tmp_path / "back.safetensors")["big"]) == tensors["big"] * 2).all()
+
+
+def treecli_bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def test_a_failed_part_aborts_the_upload_and_leaves_no_object(clouds_fresh, tmp_path, cli, monkeypatch):
+    from treecli._bytes import upload
+
+    monkeypatch.setattr(upload, "PART_BYTES", 5 << 20)
+    local = tmp_path / "m.safetensors"
+    save_file({"big": np.ones(3 << 20, np.float32)}, str(local))
+    url = f"s3://{BUCKET}/out/failing.safetensors"
+    clouds_fresh.counting.fail = lambda environ: 500 if "partNumber=2" in environ.get("QUERY_STRING", "") else None
+    result = cli("convert", local, url)
+    assert_clean_error(result, url, "upload failed")
+    assert _object(clouds_fresh, url) is None
+    assert _pending_uploads(clouds_fresh) == []
+    assert any("uploadId" in r[1] or r[0] == "DELETE" for r in clouds_fresh.counting.requests)
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_an_interrupted_write_leaves_no_object(scheme, clouds_fresh, monkeypatch):
+    """Ctrl-C while the output streams: the upload is aborted, nothing appears."""
+    from treecli import _leaf
+    from treecli._bytes import upload
+
+    monkeypatch.setattr(upload, "PART_BYTES", 5 << 20)
+    calls = []
+
+    def compute(start, stop):
+        calls.append(start)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return np.ones(stop - start, np.float32)
+
+    tree = {"big": _leaf.ComputedLeaf((4 << 20,), "float32", compute)}
+    url = f"{scheme}://{BUCKET}/out/{scheme}-interrupted.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        treecli.save(tree, url)
+    assert _object(clouds_fresh, url) is None
+    if scheme == "s3":
+        assert _pending_uploads(clouds_fresh) == []
+
+
+def test_bucket_outputs_never_overwrite_an_input_nor_go_to_http(clouds_fresh, tmp_path, cli):
+    url = f"s3://{BUCKET}/out/input.safetensors"
+    _publish(clouds_fresh, url, _model(), tmp_path)
+    assert_clean_error(cli("edit", url, "-o", url, "--scale", "**=2", "--force"), "overwrite the input")
+    assert_clean_error(cli("convert", url, "hf://org/repo/m.safetensors"), "read only")
+    assert_clean_error(cli("convert", url, f"s3://{BUCKET}/out/x.npz"), "not npz")
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_an_orbax_checkpoint_written_to_a_bucket_reads_back_and_is_replaced_whole(scheme, orbax_run, clouds_fresh,
+                                                                                  tmp_path, cli):
+    url = f"{scheme}://{BUCKET}/written/{scheme}-ckpt"
+    step = orbax_run / "run" / "20" / "state"
+    result = cli("convert", step, url)
+    assert result.code == 0, result.stderr
+    assert cli("diff", url, step).code == 0
+    assert_clean_error(cli("convert", step, url), "exists")
+    clouds_fresh.put(f"{url}/d/stale-from-an-older-save", b"x")
+    replaced = cli("edit", step, "-o", url, "--scale", "params.w=2", "--force")
+    assert replaced.code == 0, replaced.stderr
+    got = cli("get", url, "params.w", "--json")
+    assert got.json["value"] == [[40.0] * 3] * 4
+    assert _object(clouds_fresh, f"{url}/d/stale-from-an-older-save") is None
+    assert _object(clouds_fresh, f"{url}/commit_success.txt") is not None
+    clouds_fresh.put(f"{url}/notes.txt", b"mine")
+    assert_clean_error(cli("convert", step, url, "--force"), "notes.txt", "refusing")
+    assert _object(clouds_fresh, f"{url}/notes.txt") == b"mine"

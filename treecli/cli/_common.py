@@ -40,7 +40,7 @@ def template(spec: str) -> Any:
 def write_output(
     out: Output,
     tree: Any,
-    target: Path | None,
+    target: str | Path | None,
     *,
     source: Checkpoint,
     inputs: Sequence[Checkpoint],
@@ -51,18 +51,20 @@ def write_output(
     drop_unsupported: bool = False,
     metadata: dict[str, Any] | None = None,
     verify: Callable[[Path], None] | None = None,
-) -> Path:
+) -> str | Path:
     """Write a tree the way every command does: atomically, streaming, with a progress bar.
 
     ``in_place`` rewrites ``source`` where it lies (``target`` is then None).
-    Returns the path written.
+    Returns the path or URL written.
     """
     from treecli import _leaf, _tree
-    from treecli.formats import save_in_place
+    from treecli.formats import is_url, save_in_place
     from treecli.formats.safetensors import parse_size
 
+    if target is not None and not is_url(target):
+        target = Path(target)
     total = sum(_leaf.as_leaf(leaf).nbytes for _, leaf in _tree.flatten(tree) if _leaf.is_array(leaf))
-    name = Path(source.file).name if in_place else target.name
+    name = Path(source.file).name if in_place else str(target).rstrip("/").rsplit("/", 1)[-1]
     with out.progress(f"writing {name}", total) as advance:
         options = WriteOptions(
             metadata=dict(source.metadata if metadata is None else metadata),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -43,7 +42,7 @@ WhereOpt = Annotated[
                  autocompletion=complete_keypaths, show_default=False),
 ]
 OutputOpt = Annotated[
-    Path,
+    str,  # not Path, which would fold the // of s3://
     typer.Option("--output", "-o", help="Output file or directory; the format follows its extension.",
                  show_default=False),
 ]

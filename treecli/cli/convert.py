@@ -15,7 +15,7 @@ from treecli.cli._output import Output
 def convert(
     source: Annotated[str, typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
                                           metavar="SOURCE")],
-    target: Annotated[Path, typer.Argument(help="Output file or directory.", show_default=False, metavar="TARGET")],
+    target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False, metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point leaves to this dtype.",
                                                  show_default=False)] = None,
@@ -45,7 +45,7 @@ def convert(
     from treecli._edit import EditReport, cast_leaf
     from treecli._keypath import format_keypath
     from treecli._verify import verifier
-    from treecli.formats import output_format
+    from treecli.formats import is_url, output_format
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt:
@@ -57,9 +57,10 @@ def convert(
                 lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report)
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
-        fmt, _ = output_format(target, format, ckpt.format)
-        verify = None if no_verify else verifier(tree, fmt, drop_unsupported, progress=out.progress,
-                                              leaf_order=ckpt.leaf_order)
+        # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
+        verify = None if no_verify or is_url(target) else verifier(
+            tree, output_format(Path(target), format, ckpt.format)[0], drop_unsupported, progress=out.progress,
+            leaf_order=ckpt.leaf_order)
         write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
         for line in report.warnings:

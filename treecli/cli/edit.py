@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,7 +13,7 @@ from treecli.cli._output import Output
 
 def edit(
     checkpoint: opt.CheckpointArg,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file or directory.",
                                                    show_default=False)] = None,
     rename: opt.patterns("--rename", "OLD=NEW: a key path, a prefix, or ** captures carried over "
                          "('_orig_mod.**=**'). Applied first.") = None,

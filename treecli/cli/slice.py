@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -20,7 +19,7 @@ def slice_(
                      help="[PATTERN=]INDEX, repeatable. INDEX is NumPy basic indexing (0, :2, ...,-1, 1:5:2,:). "
                      "Without PATTERN: the default for every array leaf.", show_default=False),
     ],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file or directory.",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file or directory.",
                                                    show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show each affected leaf, shape before -> after; "
                                           "read no data, write nothing.")] = False,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from pathlib import Path
+import urllib.parse
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Sequence
 
 from treecli._errors import FormatError, TreecliError, UsageError, option
@@ -61,6 +62,11 @@ def detect(path: Path) -> Any:
 
 
 URL_SCHEMES = ("http://", "https://", "hf://", "s3://", "gs://")  # read by byte ranges (_remote)
+BUCKET_SCHEMES = ("s3://", "gs://")  # written too
+
+
+def is_url(target: str | Path) -> bool:
+    return isinstance(target, str) and target.startswith(URL_SCHEMES)
 
 
 def open_checkpoint(path: str | Path, format: str | None = None, **options: Any) -> Checkpoint:
@@ -166,7 +172,7 @@ def save(
     inputs: Sequence[Checkpoint | Path] = (),
     force: bool = False,
     verify: Callable[[Path], None] | None = None,
-) -> Path:
+) -> str | Path:
     """Write ``tree`` to ``target`` atomically, streaming leaf by leaf.
 
     What may be replaced follows ``_outputs``: never an input (every file of
@@ -174,8 +180,12 @@ def save(
     an existing directory only when nothing in it would be lost. ``verify`` is
     called with the finished temporary before it is published.
 
+    ``target`` may be an ``s3://`` or ``gs://`` URL: a safetensors object (streamed
+    as a multipart or resumable upload that appears only when complete) or an
+    Orbax checkpoint (its commit marker uploaded last); ``verify`` is not used there.
+
     Returns:
-        The path written.
+        The path or URL written.
 
     Raises:
         UsageError: the output may not be written or replaced.
@@ -184,8 +194,19 @@ def save(
     """
     from treecli.formats import _outputs
 
-    target = Path(target)
     options = options or WriteOptions()
+    if isinstance(target, str) and target.startswith(URL_SCHEMES):
+        if not target.startswith(BUCKET_SCHEMES):
+            raise UsageError("treecli writes to s3:// and gs:// buckets; HTTP servers and the Hub are read only",
+                             file=target)
+        key = PurePosixPath(urllib.parse.urlsplit(target).path or "/")
+        try:
+            fmt, is_dir = output_format(key, format, input_format)
+        except TreecliError as e:
+            raise e.with_file(target, replace=str(key))
+        _outputs.write_remote(fmt, tree, target, is_dir, options, inputs, force)
+        return target
+    target = Path(target)
     fmt, is_dir = output_format(target, format, input_format)
     if not hasattr(fmt, "write"):
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))

@@ -60,7 +60,7 @@ class BucketFolder:
         self.name = url.rstrip("/")
         self._store = store  # opened at the bucket's root; ``spec["path"]`` is this folder's prefix
         self._spec = spec
-        self._keys = keys  # every key under the prefix, relative to it
+        self.keys = keys  # every key under the prefix, relative to it
 
     @classmethod
     def open(cls, url: str) -> "BucketFolder":
@@ -83,15 +83,15 @@ class BucketFolder:
 
     def child(self, name: str) -> "BucketFolder":
         inner = name.rstrip("/") + "/"
-        keys = frozenset(k[len(inner):] for k in self._keys if k.startswith(inner))
+        keys = frozenset(k[len(inner):] for k in self.keys if k.startswith(inner))
         return BucketFolder(f"{self.name}/{name}", self._store, {**self._spec, "path": self._spec["path"] + inner},
                             keys)
 
     def is_file(self, name: str) -> bool:
-        return name in self._keys
+        return name in self.keys
 
     def subfolders(self) -> list[str]:
-        return sorted({k.split("/", 1)[0] for k in self._keys if "/" in k})
+        return sorted({k.split("/", 1)[0] for k in self.keys if "/" in k})
 
     def read_text(self, name: str) -> str:
         from treecli._bytes import kvstore

@@ -14,6 +14,9 @@ go through before anything is written (README, "Outputs and safety").
   index (the commit), then loses the old shards, and nothing else in it changes;
   an Orbax directory is swapped whole only when it holds nothing but Orbax's
   files; a CheckpointManager step is refused.
+- In a bucket (``s3://``, ``gs://``): a safetensors object appears only when its
+  upload completes, and an Orbax checkpoint is committed by its marker, uploaded
+  last; an existing output is replaced only with ``force``, and never an input.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _atomic
+from treecli._bytes.local import special_kind
 from treecli._errors import UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
-from treecli._bytes.local import special_kind
 
 def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
     """Refuse a target that may not be replaced; return its stat if it exists.
@@ -150,6 +153,23 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
     with _atomic.atomic_directory(origin.path, replace=True) as built:
         fmt.write(tree, built, options)
     return origin.path
+
+
+def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOptions,
+                 inputs: Sequence[Checkpoint | Path], force: bool) -> None:
+    """Write a new output into a bucket: a safetensors object, or an Orbax checkpoint."""
+    if not hasattr(fmt, "write_remote"):
+        raise UsageError(f"treecli writes safetensors files and Orbax checkpoints to buckets, not {fmt.name}; "
+                         "write it here and copy it", file=url)
+    if fmt.name == "safetensors" and is_dir:
+        raise UsageError("a bucket output is one .safetensors object (a sharded directory is written here)",
+                         file=url)
+    target = url.rstrip("/")
+    for c in inputs:
+        if isinstance(c, Checkpoint) and (c.file.rstrip("/") == target or c.file.startswith(target + "/")
+                                          or target.startswith(c.file.rstrip("/") + "/")):
+            raise UsageError(f"output would overwrite the input {c.file}; write to another URL", file=url)
+    fmt.write_remote(tree, url, options, replace=force)
 
 
 def sources_of(checkpoints: Sequence[Checkpoint | Path]) -> list[Path]:

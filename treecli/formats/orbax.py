@@ -56,6 +56,9 @@ class _Format:
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         _write(tree, target, options)
 
+    def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+        _write_remote(tree, url, options, replace)
+
 
 FORMAT = _Format()
 
@@ -374,6 +377,61 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     # Orbax replaces it (force), keeping its own temporaries in the holder too.
     with ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save(os.path.abspath(target), data, force=True)
+
+
+# What marks an Orbax checkpoint finished: uploaded after every other file, and removed
+# from a checkpoint being replaced before any of its files change. commit_success.txt
+# is how Orbax itself marks a finished save in a bucket.
+_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_UPLOADS_IN_FLIGHT = 8
+
+
+def _write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+    """Orbax writes the checkpoint here, in a temporary directory; then TensorStore uploads
+    its files, the commit markers last, and removes what is left of a replaced one."""
+    import tempfile
+
+    import tensorstore as ts
+
+    from treecli._bytes import kvstore
+    from treecli.formats._folder import BucketFolder
+
+    folder = BucketFolder.open(url)
+    existing = folder.keys
+    if existing:
+        if not replace:
+            raise UsageError("output exists (add --force to replace it)", file=url)
+        foreign = sorted(top for top in set(map(_top, existing)) if not FORMAT.owns(top))
+        if foreign:
+            raise UsageError(f"holds {', '.join(foreign[:5])}, which Orbax's writer does not write; refusing to "
+                             "replace it", file=url)
+    with tempfile.TemporaryDirectory(prefix="treecli-orbax-") as tmp:
+        built = Path(tmp) / "checkpoint"
+        _write(tree, built, options)
+        files = sorted(p.relative_to(built).as_posix() for p in built.rglob("*") if p.is_file())
+        try:
+            store = ts.KvStore.open(folder.kvstore()).result()
+            for marker in _MARKERS:  # the old checkpoint stops counting as finished first
+                if marker in existing:
+                    store.delete_range(ts.KvStore.KeyRange(marker, marker + "\0")).result()
+            body = [f for f in files if f not in _MARKERS]
+            for start in range(0, len(body), _UPLOADS_IN_FLIGHT):
+                batch = body[start : start + _UPLOADS_IN_FLIGHT]
+                for future in [store.write(name, (built / name).read_bytes()) for name in batch]:
+                    future.result()
+            for marker in _MARKERS:
+                data = (built / marker).read_bytes() if marker in files else b"committed by treecli\n"
+                store.write(marker, data).result()
+            for stale in sorted(existing - set(files) - set(_MARKERS)):
+                store.delete_range(ts.KvStore.KeyRange(stale, stale + "\0")).result()
+        except TreecliError:
+            raise
+        except Exception as e:
+            raise kvstore.describe(e, url) from None
+
+
+def _top(key: str) -> str:
+    return key.split("/", 1)[0]
 
 
 def _storable(tree: Any, file: str, options: WriteOptions) -> Any:

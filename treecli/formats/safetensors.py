@@ -97,6 +97,9 @@ class _Format:
     def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
         _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
 
+    def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+        _write_remote(tree, url, options, replace)
+
 
 FORMAT = _Format()
 
@@ -541,6 +544,15 @@ def _describe(value: Any) -> str:
 
 
 def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
+    head = _encode_header(entries, metadata)
+    with open(path, "wb") as f:
+        _write_stream(f, head, entries, str(path), options, stream.Writeback(f))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _encode_header(entries: list[tuple[str, Any]], metadata: dict[str, Any]) -> bytes:
+    """The 8-byte length and the JSON header of a file holding ``entries`` in order."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -554,14 +566,24 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
         offset += leaf.nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # align the data region, as the reference does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        writeback = stream.Writeback(f)  # one per file: it hands on what was written since its last call
-        for key, leaf in entries:
-            stream.write_leaf(f, leaf, file=str(path), keypath=key, writeback=writeback, progress=options.progress)
-        f.flush()
-        os.fsync(f.fileno())
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _write_stream(f: Any, head: bytes, entries: list[tuple[str, Any]], file: str, options: WriteOptions,
+                  writeback: stream.Writeback | None = None) -> None:
+    f.write(head)
+    for key, leaf in entries:
+        stream.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress)
+
+
+def _write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+    """One object in a bucket, streamed as an upload that appears only when complete."""
+    from treecli._bytes import upload
+
+    entries = _entries_for_writing(tree, url, options)
+    head = _encode_header(entries, options.metadata)
+    with upload.uploading(url, len(head) + sum(leaf.nbytes for _, leaf in entries), replace=replace) as f:
+        _write_stream(f, head, entries, url, options)
 
 
 def _shards(entries: list[tuple[str, Any]], limit: int | None) -> list[list[tuple[str, Any]]]:
