@@ -119,6 +119,26 @@ def iter_chunks(leaf: ArrayLeaf, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any
             _spare_buffers.extend(buffers)
 
 
+FETCHERS = 4  # remote ranges in flight at once for one chunk
+
+
+def in_flight(calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` at once: the first on this thread, the rest on the fetch workers
+    (each keeps its own connection), for a remote chunk read as several ranges.
+    Waits for all of them; the first failure is raised."""
+    futures = [_pool(f"fetch-{i % FETCHERS}").submit(call) for i, call in enumerate(calls[1:])]
+    try:
+        if calls:
+            calls[0]()
+        for future in futures:
+            future.result()
+    except BaseException:
+        for future in futures:  # the rest would fill a buffer the caller is about to drop or reuse
+            future.cancel()
+        wait(futures)
+        raise
+
+
 def on_two_threads(fill: Callable[[int, int, Any], None], start: int, stop: int, out: Any, block: int) -> None:
     """Run ``fill(start, stop, out)`` in blocks of ``block`` elements on this thread and a
     helper (NumPy releases the GIL), each taking the next block when it is free.
