@@ -124,7 +124,7 @@ def main() -> None:
         urllib.request.urlopen(urllib.request.Request(
             f"{gcs_url}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={KEY}", data=data, method="POST")).close()
         del data
-        print(f"{'engine':12} {'cloud':5} {'64 KiB read':>12} {'256 MiB in 8 MiB ranges':>24}")
+        print(f"{'engine':12} {'cloud':5} {'64 KiB read':>12} {f'{args.mib} MiB in 8 MiB ranges':>24}")
         for engine in ("tensorstore", "obstore", "fsspec"):
             for cloud in ("s3", "gcs"):
                 try:
@@ -134,7 +134,8 @@ def main() -> None:
                     print(f"{engine:12} {cloud:5} did not finish in {args.limit:.0f} s")
                     continue
                 if done.returncode:
-                    last = (done.stderr.strip().splitlines() or ["?"])[-1][:150]
+                    lines = [line for line in done.stderr.splitlines() if "Error" in line] or ["?"]
+                    last = lines[-1].strip()[:160]
                     print(f"{engine:12} {cloud:5} failed: {last}")
                     continue
                 figures = json.loads(done.stdout.strip().splitlines()[-1])
