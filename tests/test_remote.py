@@ -295,3 +295,27 @@ def test_ranges_in_flight_all_land_or_the_first_failure_is_raised():
     with pytest.raises(OSError, match="reset"):
         stream.in_flight([part(i) for i in range(10)])
     assert running == [5]  # when it returns, nothing is still writing into the caller's buffer
+
+
+def test_a_shard_index_answered_503_is_retried(server, tmp_path, cli, monkeypatch):
+    from treecli._bytes import http
+
+    monkeypatch.setattr(http.time, "sleep", lambda s: None)
+    _publish_sharded(server, "/org/flaky/resolve/main", 2, tmp_path)
+    failures = iter([503, 503])
+    original = Handler.do_GET
+
+    def flaky(self):
+        if self.path.endswith(".index.json"):
+            code = next(failures, None)
+            if code:
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        original(self)
+
+    monkeypatch.setattr(Handler, "do_GET", flaky)
+    result = cli("show", "hf://org/flaky", "--flat")
+    assert result.code == 0, result.stderr
+    assert "model.layers.3.w" in result.stdout

@@ -109,19 +109,13 @@ class HttpReader:
         stream.in_flight([part(start) for start in range(0, len(view), PART_BYTES)])
 
     def _retrying(self, attempt: Callable[[], Any], what: str) -> Any:
-        """``attempt()``, tried again with backoff after a transient failure, on a fresh connection."""
-        last = ""
-        for tries in range(RETRIES + 1):
-            if tries:
-                time.sleep(min(2.0, 0.1 * 2**tries))
-            try:
-                return attempt()
-            except _Transient as e:
-                broken, self._connections.conn = getattr(self._connections, "conn", None), None
-                if broken is not None:
-                    broken.close()
-                last = str(e)
-        raise TreecliError(f"{what} failed {RETRIES + 1} times: {last}", file=self.path)
+        """``attempt()``, tried again after a transient failure on a fresh connection."""
+        return retrying(attempt, what, self.path, after_failure=self._drop_connection)
+
+    def _drop_connection(self) -> None:
+        broken, self._connections.conn = getattr(self._connections, "conn", None), None
+        if broken is not None:
+            broken.close()
 
     def _request_into(self, view: memoryview, offset: int) -> None:
         import http.client
@@ -174,6 +168,42 @@ class HttpReader:
             elif (total, identity) != (self.size, self.identity):
                 raise FormatError("the file changed on the server while it was read (its ETag or size "
                                   "changed); run the command again", file=self.path)
+
+
+def retrying(attempt: Callable[[], Any], what: str, name: str,
+             after_failure: Callable[[], None] | None = None) -> Any:
+    """``attempt()``, tried again with backoff after a transient failure, RETRIES times."""
+    last = ""
+    for tries in range(RETRIES + 1):
+        if tries:
+            time.sleep(min(2.0, 0.1 * 2**tries))
+        try:
+            return attempt()
+        except _Transient as e:
+            if after_failure:
+                after_failure()
+            last = str(e)
+    raise TreecliError(f"{what} failed {RETRIES + 1} times: {last}", file=name)
+
+
+def get_small(url: str, headers: dict[str, str], name: str, limit: int) -> bytes | None:
+    """A whole small file (a shard index), or None if the server has none; transient
+    failures retried as range reads are."""
+    def attempt() -> bytes | None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
+                return response.read(limit + 1)
+        except urllib.error.HTTPError as e:
+            e.close()
+            if e.code == 404:
+                return None
+            if e.code >= 500 or e.code == 429:
+                raise _Transient(f"HTTP {e.code}") from None
+            raise status_error(e.code, e.reason, name) from None
+        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+            raise _Transient(f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}") from None
+
+    return retrying(attempt, "reading it", name)
 
 
 def _close_all(connections: list[Any]) -> None:

@@ -11,8 +11,9 @@ from treecli.cli._complete import complete_keypaths
 # Checkpoints are text, not Path: a Path would fold https://host into https:/host.
 CheckpointArg = Annotated[
     str,
-    typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory, or a "
-                   "remote safetensors file or repository (https://..., hf://ORG/REPO).",
+    typer.Argument(help="Checkpoint: a file, an HF sharded directory or index JSON, an Orbax directory, a "
+                   "remote safetensors file or repository (https://..., hf://ORG/REPO), or any of these in a "
+                   "bucket (s3://BUCKET/KEY, gs://BUCKET/KEY).",
                    show_default=False, metavar="CHECKPOINT"),
 ]
 FormatOpt = Annotated[
@@ -43,7 +44,8 @@ WhereOpt = Annotated[
 ]
 OutputOpt = Annotated[
     str,  # not Path, which would fold the // of s3://
-    typer.Option("--output", "-o", help="Output file or directory; the format follows its extension.",
+    typer.Option("--output", "-o", help="Output file or directory, or an s3:// or gs:// URL; the format follows "
+                 "its extension.",
                  show_default=False),
 ]
 def patterns(flag: str, help: str) -> Any:

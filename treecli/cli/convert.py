@@ -15,7 +15,8 @@ from treecli.cli._output import Output
 def convert(
     source: Annotated[str, typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
                                           metavar="SOURCE")],
-    target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False, metavar="TARGET")],
+    target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False,
+                                          metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point leaves to this dtype.",
                                                  show_default=False)] = None,

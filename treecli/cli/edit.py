@@ -13,8 +13,9 @@ from treecli.cli._output import Output
 
 def edit(
     checkpoint: opt.CheckpointArg,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file or directory.",
-                                                   show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", help="Output file or directory, or an s3:// or gs:// URL.",
+        show_default=False)] = None,
     rename: opt.patterns("--rename", "OLD=NEW: a key path, a prefix, or ** captures carried over "
                          "('_orig_mod.**=**'). Applied first.") = None,
     delete: opt.patterns("--delete", "PATTERN: leaves or whole subtrees.") = None,

@@ -19,8 +19,9 @@ def slice_(
                      help="[PATTERN=]INDEX, repeatable. INDEX is NumPy basic indexing (0, :2, ...,-1, 1:5:2,:). "
                      "Without PATTERN: the default for every array leaf.", show_default=False),
     ],
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file or directory.",
-                                                   show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", help="Output file or directory, or an s3:// or gs:// URL.",
+        show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show each affected leaf, shape before -> after; "
                                           "read no data, write nothing.")] = False,
     format: opt.OutputFormatOpt = None,

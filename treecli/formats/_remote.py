@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import os
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from treecli._bytes import kvstore
-from treecli._bytes.http import TIMEOUT_S, HttpReader, status_error
-from treecli._errors import FormatError, TreecliError, UsageError, option
+from treecli._bytes.http import HttpReader, get_small
+from treecli._errors import FormatError, UsageError, option
 from treecli.formats._base import Checkpoint
 
 MAX_INDEX_BYTES = 64 << 20
@@ -55,16 +53,9 @@ def _headers(url: str) -> dict[str, str]:
 
 def _get_text(url: str, headers: dict[str, str], name: str) -> str | None:
     """A small text file (an index), or None if it does not exist."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
-            body = response.read(MAX_INDEX_BYTES + 1)
-    except urllib.error.HTTPError as e:
-        e.close()
-        if e.code == 404:
-            return None
-        raise status_error(e.code, e.reason, name) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise TreecliError(f"cannot connect: {getattr(e, 'reason', e)}", file=name) from None
+    body = get_small(url, headers, name, MAX_INDEX_BYTES)
+    if body is None:
+        return None
     if len(body) > MAX_INDEX_BYTES:
         raise FormatError(f"the shard index is over {MAX_INDEX_BYTES >> 20} MiB; no real index is", file=name)
     try:

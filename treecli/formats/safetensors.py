@@ -188,7 +188,8 @@ def _refuse_parse_bombs(raw: bytes, file: str) -> None:
                           file=file)
 
 
-def _check_header(pairs: "_Pairs", size: int | Callable[[int], int], data_start: int, file: str) -> tuple[dict, dict[str, str], int]:
+def _check_header(pairs: "_Pairs", size: int | Callable[[int], int], data_start: int,
+                  file: str) -> tuple[dict, dict[str, str], int]:
     metadata: dict[str, str] = {}
     seen_metadata = False
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
