@@ -31,6 +31,7 @@ class Server(http.server.ThreadingHTTPServer):
         self.ignore_range = False
         self.short_by = 0  # promise this many bytes more than sent
         self.status: dict[str, int] = {}  # path -> error status
+        self.token = None  # when set, requests without "Authorization: Bearer TOKEN" get 401
         self.lock = threading.Lock()
 
     @property
@@ -49,8 +50,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with server.lock:
             server.requests.append((self.path, self.headers.get("Range", "")))
         time.sleep(server.latency)
-        if self.path in server.status:
-            code = server.status[self.path]
+        if self.path in server.status or (server.token and self.headers.get("Authorization") != f"Bearer {server.token}"):
+            code = server.status.get(self.path, 401)
             self.send_response(code)
             if 300 <= code < 400:
                 self.send_header("Location", self.path)
@@ -66,7 +67,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         etag = f'"{hash(body) & 0xFFFFFFFF:x}"'
         spec = self.headers.get("Range")
         if spec and not server.ignore_range:
-            start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
+            first, last = spec.removeprefix("bytes=").split("-")
+            if not first:  # a suffix: the last N bytes
+                start, end = max(0, len(body) - int(last)), len(body) - 1
+            else:
+                start, end = int(first), int(last) if last else len(body) - 1
             if start >= len(body):
                 self.send_response(416)
                 self.send_header("Content-Length", "0")
@@ -319,3 +324,67 @@ def test_a_shard_index_answered_503_is_retried(server, tmp_path, cli, monkeypatc
     result = cli("show", "hf://org/flaky", "--flat")
     assert result.code == 0, result.stderr
     assert "model.layers.3.w" in result.stdout
+
+
+# --- Orbax over HTTP and from the Hub, through TensorStore's http kvstore --------------------
+
+
+@pytest.fixture(scope="module")
+def orbax_run(tmp_path_factory):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    base = tmp_path_factory.mktemp("orbax_http")
+    with ocp.CheckpointManager(str(base / "run")) as manager:
+        for step in (10, 20):
+            state = {"params": {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int64)},
+                     "step": np.asarray(step, np.int32)}
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave({"step": step})))
+        manager.wait_until_finished()
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    checkpointer.save(str(base / "plain"), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32)}))
+    return base
+
+
+def _serve_tree(server: Server, local: Path, prefix: str) -> None:
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            server.files[f"{prefix}/{path.relative_to(local).as_posix()}"] = path.read_bytes()
+
+
+def _without_file(result) -> dict:
+    return {k: v for k, v in result.json.items() if k != "file"}
+
+
+def test_an_orbax_step_on_the_hub_reads_as_its_local_copy(orbax_run, server, cli):
+    _serve_tree(server, orbax_run / "run", "/org/run/resolve/main")
+    remote = cli("show", "hf://org/run", "--step", "10", "--json")
+    assert remote.code == 0, remote.stderr
+    here = _without_file(cli("show", orbax_run / "run", "--step", "10", "--json"))
+    assert here.pop("steps") == [10, 20] and "steps" not in remote.json  # an HTTP directory cannot be listed
+    assert _without_file(remote) == here
+    step = cli("show", f"{server.url}/org/run/resolve/main/20", "--json")  # a step directory by URL
+    assert step.code == 0, step.stderr
+    assert _without_file(step) == _without_file(cli("show", orbax_run / "run" / "20", "--json"))
+    got = cli("get", "hf://org/run", "state.params.w", "--step", "20", "--json")
+    assert got.code == 0, got.stderr
+    assert got.json["value"] == [[20.0] * 3] * 4
+    assert_clean_error(cli("show", "hf://org/run"), "cannot be listed", "--step")
+    assert_clean_error(cli("show", "hf://org/run", "--step", "15"), "15")
+
+
+def test_an_orbax_checkpoint_without_ocdbt_over_http_converts(orbax_run, server, tmp_path, cli):
+    _serve_tree(server, orbax_run / "plain", "/ckpts/plain")
+    out = tmp_path / "w.safetensors"
+    result = cli("convert", f"{server.url}/ckpts/plain", out)
+    assert result.code == 0, result.stderr
+    assert np.asarray(treecli.load(out)["w"]).tolist() == list(range(6))
+
+
+def test_orbax_reads_from_the_hub_carry_the_token(orbax_run, server, cli, monkeypatch):
+    _serve_tree(server, orbax_run / "run", "/org/private/resolve/main")
+    server.token = "secret"
+    assert_clean_error(cli("show", "hf://org/private", "--step", "10"), "HF_TOKEN")
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    result = cli("show", "hf://org/private", "--step", "10", "--flat")
+    assert result.code == 0, result.stderr
+    assert "state.params.w" in result.stdout

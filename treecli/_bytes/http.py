@@ -230,12 +230,16 @@ def _total_size(content_range: str, offset: int, url: str) -> int:
     return size
 
 
+class NotFoundError(FormatError):
+    """The server has no such file (HTTP 404)."""
+
+
 def status_error(code: int, reason: str, url: str) -> TreecliError:
     if code in (401, 403):
         hint = " (set HF_TOKEN for a gated or private Hub repository)" if url.startswith("hf://") else ""
         return FormatError(f"access denied (HTTP {code}){hint}", file=url)
     if code == 404:
-        return FormatError("not found (HTTP 404)", file=url)
+        return NotFoundError("not found (HTTP 404)", file=url)
     if 300 <= code < 400:
         return FormatError(f"too many redirects (HTTP {code}: a redirect loop?)", file=url)
     return FormatError(f"the server refused it (HTTP {code} {reason})", file=url)

@@ -1,4 +1,4 @@
-"""A checkpoint directory, local or a key prefix in an S3 or GCS bucket: what the
+"""A checkpoint directory, local, a key prefix in an S3 or GCS bucket, or a URL: what the
 directory formats (Orbax) ask of one — which files and subdirectories it holds,
 a small file's text, and the TensorStore kvstore spec of a file or subdirectory.
 
@@ -9,7 +9,9 @@ request per question.
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ MAX_KEYS = 1_000_000  # a listing longer than this is no checkpoint directory
 
 
 class LocalFolder:
-    local = True
+    listable = True
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -54,7 +56,7 @@ class LocalFolder:
 
 
 class BucketFolder:
-    local = False
+    listable = True
 
     def __init__(self, url: str, store: Any, spec: dict[str, Any], keys: frozenset[str]):
         self.name = url.rstrip("/")
@@ -109,4 +111,64 @@ class BucketFolder:
         return None if name.startswith("/") or ".." in parts or "" in parts else name
 
 
-Folder = LocalFolder | BucketFolder
+class HttpFolder:
+    """A directory on an HTTP(S) server or the Hub. It cannot be listed: files are
+    asked for by name (metadata files are small, fetched once and kept), and a
+    CheckpointManager step's items are the ones its ``_CHECKPOINT_METADATA`` names."""
+
+    listable = False
+
+    def __init__(self, url: str, base: str, headers: dict[str, str]):
+        self.name = url.rstrip("/")
+        self._base = base if base.endswith("/") else base + "/"
+        self._headers = headers
+        self._texts: dict[str, str | None] = {}
+
+    def child(self, name: str) -> "HttpFolder":
+        return HttpFolder(f"{self.name}/{name}", self._base + urllib.parse.quote(name) + "/", self._headers)
+
+    def is_file(self, name: str) -> bool:
+        return self._text(name) is not None
+
+    def subfolders(self) -> list[str]:
+        """A step's items, from its metadata; other directories cannot be listed."""
+        if not self.is_file("_CHECKPOINT_METADATA"):
+            return []
+        try:
+            handlers = json.loads(self.read_text("_CHECKPOINT_METADATA")).get("item_handlers")
+        except (ValueError, AttributeError):
+            return []
+        return sorted(name for name in handlers if isinstance(name, str)) if isinstance(handlers, dict) else []
+
+    def read_text(self, name: str) -> str:
+        text = self._text(name)
+        if text is None:
+            raise FormatError("not found (HTTP 404)", file=f"{self.name}/{name}")
+        return text
+
+    def kvstore(self, name: str = "") -> dict[str, Any]:
+        url = self._base + (urllib.parse.quote(name.rstrip("/")) + "/" if name else "")
+        return {"driver": "http", "base_url": url,
+                "headers": [f"{k}: {v}" for k, v in self._headers.items() if k == "Authorization"]}
+
+    def inside(self, name: str) -> str | None:
+        parts = name.split("/")
+        return None if name.startswith("/") or ".." in parts or "" in parts else name
+
+    def _text(self, name: str) -> str | None:
+        if name not in self._texts:
+            from treecli._bytes.http import get_small
+
+            body = get_small(self._base + urllib.parse.quote(name), self._headers, f"{self.name}/{name}",
+                             MAX_TEXT_BYTES)
+            if body is not None and len(body) > MAX_TEXT_BYTES:
+                raise FormatError(f"is over {MAX_TEXT_BYTES >> 20} MiB; no real metadata file is",
+                                  file=f"{self.name}/{name}")
+            try:
+                self._texts[name] = None if body is None else body.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FormatError(f"is not UTF-8 (byte {e.start})", file=f"{self.name}/{name}") from None
+        return self._texts[name]
+
+
+Folder = LocalFolder | BucketFolder | HttpFolder

@@ -20,8 +20,8 @@ import urllib.parse
 from typing import Any
 
 from treecli._bytes import kvstore
-from treecli._bytes.http import HttpReader, get_small
-from treecli._errors import FormatError, UsageError, option
+from treecli._bytes.http import HttpReader, NotFoundError, get_small
+from treecli._errors import FormatError, UsageError
 from treecli.formats._base import Checkpoint
 
 MAX_INDEX_BYTES = 64 << 20
@@ -110,46 +110,62 @@ class _BucketPlace:
 def open_remote(url: str, format: str | None = None, step: int | None = None) -> Checkpoint:
     """A remote safetensors file or sharded repository, its headers read and validated
     as a local file's are (several shards' at once), its leaves lazy byte ranges; or an
-    Orbax checkpoint in a bucket, read through TensorStore as a local one is."""
-    if format not in (None, "safetensors", "orbax") or (format == "orbax" and not url.startswith(kvstore.SCHEMES)):
-        raise UsageError(f"treecli reads safetensors from URLs, and Orbax from s3:// and gs://; not {format}",
-                         file=url)
-    if step is not None and not url.startswith(kvstore.SCHEMES):
-        raise UsageError(f"{option('step', step)} applies to an Orbax CheckpointManager root", file=url)
+    Orbax checkpoint, read through TensorStore's kvstore drivers as a local one is."""
+    if format not in (None, "safetensors", "orbax"):
+        raise UsageError(f"treecli reads safetensors and Orbax checkpoints from URLs, not {format}", file=url)
+    wants_orbax = format == "orbax" or step is not None
     if url.startswith(kvstore.SCHEMES):
         store, key = kvstore.open_store(url)
-        if key.endswith((".safetensors", ".index.json")) and format != "orbax" and step is None:
-            folder, _, path = key.rpartition("/")
-            place: Any = _BucketPlace(url.rsplit("/", 1)[0], store, folder + "/" if folder else "")
-        else:  # a directory: an HF layout or an Orbax checkpoint, as a local directory is read
+        if not key.endswith((".safetensors", ".index.json")) or wants_orbax:
             return _open_bucket_directory(url, store, key, format, step)
-    elif url.startswith("hf://"):
-        base, path = _hub(url)
-        folder, _, path = path.rpartition("/")
-        shown = url.rsplit("/", 1)[0] if path else url.rstrip("/")
-        place = _HttpPlace(shown, base + (folder + "/" if folder else ""), _headers(url), {})
-        path = urllib.parse.unquote(path)
+        folder, _, path = key.rpartition("/")
+        place: Any = _BucketPlace(url.rsplit("/", 1)[0], store, folder + "/" if folder else "")
     else:
-        parts = urllib.parse.urlsplit(url)
-        folder, _, path = parts.path.rpartition("/")
-        base = urllib.parse.urlunsplit(parts._replace(path=folder + "/", query="", fragment=""))
+        headers = _headers(url)
+        if url.startswith("hf://"):
+            base, inner = _hub(url)
+        else:
+            parts = urllib.parse.urlsplit(url)
+            base = urllib.parse.urlunsplit(parts._replace(path="/", query="", fragment=""))
+            inner = parts.path.lstrip("/")
+        folder, _, path = inner.rstrip("/").rpartition("/")
+        if not path.endswith((".safetensors", ".index.json")) or wants_orbax:
+            return _open_http_directory(url, base + inner.rstrip("/") + "/" if inner.strip("/") else base, headers,
+                                        format, step)
+        shown = url.rsplit("/", 1)[0]
+        exact = {} if url.startswith("hf://") else {urllib.parse.unquote(path): url}  # a query string and all
+        place = _HttpPlace(shown, base + (folder + "/" if folder else ""), headers, exact)
         path = urllib.parse.unquote(path)
-        place = _HttpPlace(base.rstrip("/"), base, _headers(url), {path: url})
-    if not path:
-        text = place.text("model.safetensors.index.json", url)
-        if text is not None:
-            return _open_sharded(url, place, text)
-        path = "model.safetensors"
     if path.endswith(".index.json"):
         text = place.text(path, url)
         if text is None:
             raise FormatError("not found", file=url)
         return _open_sharded(url, place, text)
-    if not path.endswith(".safetensors"):
-        raise UsageError("treecli reads remote safetensors files, HF layouts and Hub repositories (a URL ending in "
-                         ".safetensors or .index.json, hf://ORG/REPO, or a bucket directory)", file=url)
-    name = url if url.endswith(path) else place.name(path)
-    return _open_file(url, _read_header(place, path, name))
+    return _open_file(url, _read_header(place, path, url))
+
+
+def _open_http_directory(url: str, base: str, headers: dict[str, str], format: str | None,
+                         step: int | None) -> Checkpoint:
+    """A Hub repository or an HTTP directory: its shard index, else its model.safetensors,
+    else an Orbax checkpoint in it."""
+    from treecli.formats import orbax
+    from treecli.formats._folder import HttpFolder
+
+    if format != "orbax" and step is None:
+        place = _HttpPlace(url.rstrip("/"), base, headers, {})
+        text = place.text("model.safetensors.index.json", url)
+        if text is not None:
+            return _open_sharded(url, place, text)
+        try:
+            return _open_file(url, _read_header(place, "model.safetensors", place.name("model.safetensors")))
+        except NotFoundError:
+            if format == "safetensors":
+                raise
+    folder = HttpFolder(url, base, headers)
+    if step is None and not orbax.is_checkpoint(folder):
+        raise FormatError("no checkpoint here: no shard index, model.safetensors or Orbax checkpoint (an HTTP "
+                          "directory cannot be listed: name a CheckpointManager step with --step)", file=url)
+    return orbax.open_folder(folder, step)
 
 
 def _open_bucket_directory(url: str, store: Any, key: str, format: str | None, step: int | None) -> Checkpoint:

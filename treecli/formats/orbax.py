@@ -66,6 +66,10 @@ FORMAT = _Format()
 def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
     """An Orbax checkpoint, CheckpointManager step or root in a local directory or a bucket."""
     steps, pending = _steps(folder)
+    if step is not None and not steps and not folder.listable:
+        named = folder.child(str(step))  # a step directory as CheckpointManager names it by default
+        if named.is_file("_CHECKPOINT_METADATA") and _committed(named):
+            steps = {step: str(step)}
     if steps:
         return _open_manager_root(folder, steps, pending, step)
     if step is not None:
@@ -137,7 +141,8 @@ def _open_manager_root(root: Folder, steps: dict[int, str], pending: list[str], 
     checkpoint = _open_step(root.child(steps[chosen]))
     checkpoint.file = root.name
     checkpoint.origin = _origin("step", root)
-    checkpoint.info = {"steps": list(steps), "step": chosen, **checkpoint.info}
+    listed = {"steps": list(steps)} if root.listable else {}  # over HTTP only the step asked for is known
+    checkpoint.info = {**listed, "step": chosen, **checkpoint.info}
     if pending:
         checkpoint.warnings.append(f"ignoring unfinished step directories: {', '.join(pending)}")
     return checkpoint
