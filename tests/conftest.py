@@ -22,6 +22,13 @@ from treecli.cli import main
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
+# Every cloud client the tests start stays off the network: no probe of an EC2 or GCE
+# metadata server (a dead loopback port), test credentials, no proxy for the loopback.
+for _name, _value in {"AWS_EC2_METADATA_DISABLED": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
+                      "GCE_METADATA_IP": "127.0.0.1:9", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
+                      "NO_GCE_CHECK": "True"}.items():
+    os.environ[_name] = _value
+
 
 @dataclass
 class Result:

@@ -3,7 +3,7 @@ against real protocol servers on 127.0.0.1: moto's S3 server and fake-gcs-server
 
 Every client is kept off the network: credentials for the tests, the EC2 metadata
 service disabled and the GCE one pointed at a dead loopback port. On the S3 server a
-WSGI layer counts the requests and bytes served, and fails or slows down on demand.
+WSGI layer counts the requests and bytes served, slows each request down, and fails on demand.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Counting:
         self.bytes_served = 0
         self.status: dict[str, list[int]] = {}
         self.fail = None  # environ -> a status to answer with, or None
+        self.latency = 0.0  # seconds before each answer
         self.lock = threading.Lock()
 
     def reset(self) -> None:
@@ -47,6 +48,7 @@ class Counting:
             self.bytes_served = 0
             self.status.clear()
             self.fail = None
+            self.latency = 0.0
 
     def __call__(self, environ, start_response):
         path = environ.get("PATH_INFO", "")
@@ -59,6 +61,7 @@ class Counting:
             if code:
                 start_response(f"{code} Injected", [("Content-Length", "0")])
                 return [b""]
+        time.sleep(self.latency)
         body = self.app(environ, start_response)
         for part in body:
             with self.lock:
@@ -69,9 +72,8 @@ class Counting:
 @pytest.fixture(scope="session")
 def clouds():
     with pytest.MonkeyPatch.context() as env:
+        # (the metadata servers are kept away in conftest, for every test)
         for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
-                            "AWS_EC2_METADATA_DISABLED": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
-                            "GCE_METADATA_IP": "127.0.0.1:9", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
                             "no_proxy": "127.0.0.1"}.items():
             env.setenv(name, value)
         for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
@@ -219,6 +221,19 @@ def test_a_sharded_hf_directory_in_a_bucket_diffs_equal_to_its_local_copy(scheme
                 f"{scheme}://{BUCKET}/repo-{scheme}/model.safetensors.index.json"):
         result = cli("diff", url, local)
         assert result.code == 0, result.stdout + result.stderr
+
+
+def test_shard_headers_in_a_bucket_are_read_concurrently(clouds_fresh, tmp_path, cli):
+    local = _publish_sharded(clouds_fresh, f"s3://{BUCKET}/slow-repo", 8, tmp_path)
+    clouds_fresh.counting.reset()
+    clouds_fresh.counting.latency = 0.05
+    start = time.perf_counter()
+    result = cli("diff", f"s3://{BUCKET}/slow-repo", local)
+    elapsed = time.perf_counter() - start
+    assert result.code == 0, result.stdout + result.stderr
+    reads = len(clouds_fresh.counting.requests)
+    assert reads >= 8 * 2  # the listing, the index, then every shard's header and end
+    assert elapsed < 8 * 2 * 0.05, (elapsed, reads)  # one shard after another would take longer than this
 
 
 def test_get_and_slice_move_only_what_they_need(clouds_fresh, tmp_path, cli):
