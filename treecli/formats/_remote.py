@@ -1,15 +1,16 @@
-"""Checkpoints where they live: safetensors over HTTP(S) and from the Hugging Face Hub,
-read by byte ranges.
+"""Checkpoints where they live: HTTP(S), the Hugging Face Hub, S3 and GCS.
 
-The bytes move through a source of ``treecli._bytes`` (``HttpReader``), so the
-same lazy leaves read local and remote files, and only the bytes a command
-needs move.
+Safetensors files and HF layouts are read by byte ranges through a source of
+``treecli._bytes`` (``HttpReader`` for HTTP and the Hub, ``KvstoreReader`` for
+buckets), so the same lazy leaves read local and remote files and only the bytes
+a command needs move. Orbax checkpoints are read by ``formats.orbax`` through a
+``Folder`` (a bucket prefix, or an HTTP directory asked for files by name).
 
 ``hf://ORG/REPO[@REVISION][/PATH]`` resolves to the Hub's
-``{HF_ENDPOINT}/ORG/REPO/resolve/REVISION/PATH``; a repository without a path
-to its ``model.safetensors.index.json``, else its ``model.safetensors``, as a
-local HF directory. ``HF_TOKEN`` is sent to the Hub only. Plain HTTP(S) servers
-are read anonymously.
+``{HF_ENDPOINT}/ORG/REPO/resolve/REVISION/PATH``. A directory (a repository, an
+HTTP directory, a bucket prefix) reads as a local one: its shard index, else its
+``model.safetensors``, else an Orbax checkpoint. ``HF_TOKEN`` is sent to the Hub
+only; other HTTP servers are read anonymously.
 """
 
 from __future__ import annotations

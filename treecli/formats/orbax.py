@@ -5,7 +5,11 @@ Read without Orbax and without matching the saving machine's devices: the
 tree, shapes and value types come from ``_METADATA`` (JSON); dtypes from each
 array's zarr metadata, opened with tensorstore (which orbax-checkpoint brings)
 without reading array data. tensorstore is imported only here, when an Orbax
-checkpoint is opened. Writing uses Orbax's own PyTree handler, which stores strings and Python scalars too.
+checkpoint is opened. The directory is a ``Folder``: local, a bucket prefix or an
+HTTP directory, its arrays read through the matching kvstore driver.
+
+Writing uses Orbax's own PyTree handler, which stores strings and Python scalars
+too; a bucket output is written here, then uploaded with its commit markers last.
 """
 
 from __future__ import annotations
