@@ -24,6 +24,7 @@ _EXPORTS = {
     "ArrayLeaf": "treecli._leaf",
     "slice_tree": "treecli._api",
     "average": "treecli._api",
+    "merge": "treecli._api",
     "edit": "treecli._api",
     "Edits": "treecli._edit",
     "at": "treecli._api",

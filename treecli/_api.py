@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _diff, _edit, _pytree, _slice
+from treecli import _average, _diff, _edit, _merge, _pytree, _slice
 from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
 
@@ -117,6 +117,23 @@ def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **opti
     natives, structures = zip(*(_pytree.to_native(t) for t in trees)) if trees else ((), ())
     result, report = _average.average(list(natives), None if weights is None else list(weights), **options)
     return _finish(result, natives, structures[0]), report
+
+
+def merge(trees: Sequence[Any], method: str, *, base: Any = None, **options: Any) -> tuple[Any, Any]:
+    """Merge pytrees with mergekit's methods (``linear``, ``task_arithmetic``, ``ties``,
+    ``dare_linear``, ``dare_ties``, ``slerp``), as the first one's type; options
+    (``weights``, ``density``, ``lambda_``, ``t``, ``seed``, ``normalize``, ...) and the
+    report are those of ``treecli._merge.merge``.
+
+    Example:
+        >>> merged, report = treecli.merge([ft_a, ft_b], "ties", base=base, density=0.5)
+    """
+    natives, structures = zip(*(_pytree.to_native(t) for t in trees)) if trees else ((), ())
+    native_base, base_structure = _pytree.to_native(base) if base is not None else (None, None)
+    result, report = _merge.merge(list(natives), method, base=native_base, **options)
+    if base is None:
+        return _finish(result, natives, structures[0] if structures else None), report
+    return _finish(result, (native_base, *natives), base_structure), report
 
 
 def slice_tree(tree: Any, rules: Sequence[Any]) -> tuple[Any, Any]:

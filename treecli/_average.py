@@ -148,26 +148,41 @@ def average(
     def combine(keypath: tuple, first: Any) -> Any:
         text = format_keypath(keypath)
         leaves = [flat[keypath] for flat in flats]
-        if _leaf.is_array(first):
+        if is_float_array(first):
             leaves = [_leaf.as_leaf(x) for x in leaves]
-            if _dtypes.is_float(leaves[0].dtype_name):
-                return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
-        report.copied.append(text)
-        if all(_equal(leaves[0], other) for other in leaves[1:]):
-            return first
-        if non_float == "error":
-            mismatched.append(f"{text}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
-        report.differing.append(text)
-        return first if non_float == "first" else leaves[-1]
+            return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
+        return copied_leaf(text, leaves, names, non_float, report, mismatched)
 
     result = _tree.map_leaves(combine, trees[0])
+    refuse_mismatched(mismatched, "averaged")
+    return result, report
+
+
+def is_float_array(value: Any) -> bool:
+    """Whether a leaf is averaged (merged) rather than copied."""
+    return _leaf.is_array(value) and _dtypes.is_float(_leaf.as_leaf(value).dtype_name)
+
+
+def copied_leaf(keypath: str, leaves: list[Any], names: list[str], non_float: str, report: AverageReport,
+                mismatched: list[str]) -> Any:
+    """An integer, bool or non-array leaf: copied when the inputs agree, else per ``non_float``
+    (a difference is noted in the report, or listed in ``mismatched`` for ``"error"``)."""
+    report.copied.append(keypath)
+    if all(_equal(leaves[0], other) for other in leaves[1:]):
+        return leaves[0]
+    if non_float == "error":
+        mismatched.append(f"{keypath}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
+    report.differing.append(keypath)
+    return leaves[0] if non_float == "first" else leaves[-1]
+
+
+def refuse_mismatched(mismatched: list[str], verb: str) -> None:
     if mismatched:
         raise StructureError(
-            f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be averaged "
+            f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be {verb} "
             f"(use {option('non_float', 'last')} or 'first' to copy them from one input)",
             details=mismatched,
         )
-    return result, report
 
 
 def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 _SPEAKING_CLI = contextvars.ContextVar("treecli_speaking_cli", default=False)
 
 # Flags whose spelling is not the parameter's with dashes.
-_FLAGS = {"rules": "--index"}
+_FLAGS = {"rules": "--index", "lambda_": "--lambda"}
 
 
 @contextlib.contextmanager

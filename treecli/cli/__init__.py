@@ -22,13 +22,14 @@ from treecli.cli.convert import convert
 from treecli.cli.diff import diff
 from treecli.cli.edit import edit
 from treecli.cli.get import get
+from treecli.cli.merge import merge
 from treecli.cli.show import show
 from treecli.cli.slice import slice_
 
 app = typer.Typer(
     name="treecli",
-    help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit, diff, "
-    "convert, get.",
+    help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, "
+    "diff, convert, get.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -56,13 +57,15 @@ def _root(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
 ) -> None:
-    """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, edit, diff, convert, get."""
+    """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, diff, convert,
+    get."""
     _Session.debug = debug
 
 
 app.command()(show)
 app.command("slice")(slice_)
 app.command()(average)
+app.command()(merge)
 app.command()(edit)
 app.command()(diff)
 app.command()(convert)

@@ -1,0 +1,198 @@
+"""`treecli merge` (issue 18): each method against a float64 NumPy reference written
+here from the method's definition (mergekit's semantics), on small trees with known
+answers, through the Python API and the CLI."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import treecli
+from treecli import _merge
+from treecli._average import SUB_CHUNK
+
+from .conftest import BF16, assert_clean_error
+
+F16 = np.dtype(np.float16)
+
+
+def reference(base, models, weights, *, trim=None, keeps=None, consensus=False, normalize=False, rescale_by=None,
+              scale=1.0):
+    """base + scale * mixed delta, from the definitions: ``trim`` = TIES density (the k largest
+    float32 magnitudes, the first in element order among equals), ``keeps`` = DARE masks."""
+    b = base.astype(np.float64).reshape(-1)
+    deltas = [m.astype(np.float64).reshape(-1) - b for m in models]
+    if trim is not None:
+        k = int(trim * b.size)
+        for i, d in enumerate(deltas):
+            magnitude = np.abs(d).astype(np.float32)
+            order = np.argsort(-magnitude, kind="stable")  # largest first, earlier first among equals
+            mask = np.zeros(b.size, bool)
+            mask[order[:k]] = True
+            deltas[i] = d * mask
+    if keeps is not None:
+        deltas = [d * keep / (rescale_by or 1.0) for d, keep in zip(deltas, keeps)]
+    weighted = [d * w for d, w in zip(deltas, weights)]
+    if consensus:
+        majority = np.where(np.sum(weighted, axis=0) >= 0, 1.0, -1.0)
+        agree = [np.sign(wd) == majority for wd in weighted]
+        mixed = sum(np.where(a, wd, 0.0) for a, wd in zip(agree, weighted))
+        divisor = sum(np.where(a, w, 0.0) for a, w in zip(agree, weights))
+        divisor[divisor == 0] = 1
+    else:
+        mixed = sum(weighted)
+        divisor = math.fsum(weights) if abs(math.fsum(weights)) >= 1e-8 else 1.0
+    if normalize:
+        mixed = mixed / divisor
+    return (b + mixed * scale).astype(base.dtype).reshape(base.shape)
+
+
+def models(dtype, shape=(48, 37), count=3, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(shape).astype(dtype)
+    return base, [(base.astype(np.float64) + rng.standard_normal(shape) * 0.1).astype(dtype) for _ in range(count)]
+
+
+def bits(array) -> bytes:
+    return np.asarray(array).tobytes()
+
+
+def test_ties_elects_signs_by_weighted_mass_hand_checked():
+    base = {"w": np.zeros(4, np.float32)}
+    a = {"w": np.array([1, -2, 3, 0.5], np.float32)}
+    b = {"w": np.array([-3, 1, 1, -0.5], np.float32)}
+    merged, _ = treecli.merge([a, b], "ties", base=base)
+    # sums [-2, -1, 4, 0] elect [-, -, +, +]; the agreeing values are averaged
+    assert np.asarray(merged["w"]).tolist() == [-3, -2, 2, 0.5]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, F16])
+@pytest.mark.parametrize("method, options, expected", [
+    ("task_arithmetic", {"lambda_": 0.7}, {"scale": 0.7}),
+    ("ties", {"density": 0.4}, {"trim": 0.4, "consensus": True, "normalize": True}),
+    ("ties", {"density": 1.0, "normalize": False}, {"consensus": True}),
+])
+def test_task_methods_match_the_reference(dtype, method, options, expected):
+    base, ms = models(dtype)
+    weights = [1.0, 0.5, 2.0]
+    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, weights=weights, **options)
+    want = reference(base, ms, weights, **expected)
+    assert np.asarray(merged["w"]).dtype == dtype
+    assert bits(merged["w"]) == bits(want)
+
+
+def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
+    """A leaf over several blocks, in bf16 so that many magnitudes are equal."""
+    rng = np.random.default_rng(1)
+    n = 2 * SUB_CHUNK + 999
+    base = np.zeros(n, BF16)
+    ms = [np.round(rng.standard_normal(n) * 4).astype(BF16) / 4 for _ in range(2)]  # few distinct magnitudes
+    merged, _ = treecli.merge([{"w": m} for m in ms], "ties", base={"w": base}, density=0.3)
+    want = reference(base, ms, [1.0, 1.0], trim=0.3, consensus=True, normalize=True)
+    assert bits(merged["w"]) == bits(want)
+    kept = [np.count_nonzero(np.asarray(treecli.merge([{"w": m}], "ties", base={"w": base}, density=0.3)[0]["w"]))
+            for m in ms]
+    assert kept == [int(0.3 * n)] * 2  # exactly k, never the ties beyond it
+
+
+def test_dare_is_the_same_whatever_the_chunks_and_keeps_about_density():
+    keep = _merge.dare_keep(7, "layers.0.w", 1, 0, 100_003, 0.3)
+    pieces = np.concatenate([_merge.dare_keep(7, "layers.0.w", 1, s, min(100_003, s + 777), 0.3)
+                             for s in range(0, 100_003, 777)])
+    assert (keep == pieces).all()
+    assert abs(keep.mean() - 0.3) < 0.01
+    assert not (keep == _merge.dare_keep(8, "layers.0.w", 1, 0, 100_003, 0.3)).all()  # the seed matters
+    assert not (keep == _merge.dare_keep(7, "layers.0.w", 2, 0, 100_003, 0.3)).all()  # so does the model
+
+
+@pytest.mark.parametrize("method, consensus", [("dare_linear", False), ("dare_ties", True)])
+def test_dare_matches_the_reference_and_reads_alike_in_any_chunks(method, consensus):
+    base, ms = models(np.float32, shape=(SUB_CHUNK + 5000,), count=2)
+    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5)
+    keeps = [_merge.dare_keep(5, "w", i, 0, base.size, 0.4) for i in range(2)]
+    want = reference(base, ms, [1.0, 1.0], keeps=keeps, rescale_by=0.4, consensus=consensus)
+    assert bits(merged["w"]) == bits(want)
+    computed, _ = _merge.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5)
+    leaf = computed["w"]  # read in pieces that match no block or chunk boundary
+    pieces = np.concatenate([leaf.read_flat(s, min(leaf.size, s + 12345)) for s in range(0, leaf.size, 12345)])
+    assert pieces.tobytes() == want.tobytes()
+
+
+def test_slerp_of_orthogonal_and_parallel_leaves():
+    a = {"o": np.array([1.0, 0.0], np.float32), "p": np.array([1.0, 2.0], np.float32)}
+    b = {"o": np.array([0.0, 1.0], np.float32), "p": np.array([2.0, 4.0], np.float32)}
+    merged, _ = treecli.merge([b], "slerp", base=a, t=0.5)
+    half = math.sin(math.pi / 4)  # a quarter turn, halved
+    np.testing.assert_allclose(np.asarray(merged["o"]), [half, half], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(merged["p"]), [1.5, 3.0], rtol=1e-6)  # parallel: linear
+    at_zero, _ = treecli.merge([b], "slerp", base=a, t=0)
+    assert bits(at_zero["o"]) == bits(a["o"])
+
+
+def test_slerp_matches_the_reference_on_random_bf16_leaves():
+    base, (other,) = models(BF16, count=1)
+    merged, _ = treecli.merge([{"w": other}], "slerp", base={"w": base}, t=0.3)
+    v0, v1 = base.astype(np.float64).reshape(-1), other.astype(np.float64).reshape(-1)
+    cosine = (v0 / np.linalg.norm(v0)) @ (v1 / np.linalg.norm(v1))
+    theta = math.acos(cosine)
+    want = (math.sin(0.7 * theta) / math.sin(theta) * v0 + math.sin(0.3 * theta) / math.sin(theta) * v1)
+    assert bits(merged["w"]) == bits(want.astype(BF16).reshape(base.shape))
+
+
+def test_rules_scope_parameters_to_subtrees():
+    base, ms = models(np.float32, count=2)
+    tree = lambda x: {"mlp": {"w": x}, "attn": {"w": x}}  # noqa: E731
+    merged, _ = treecli.merge([tree(m) for m in ms], "ties", base=tree(base), density=["0.5", "mlp.**=0.2"])
+    assert bits(merged["mlp"]["w"]) == bits(reference(base, ms, [1, 1], trim=0.2, consensus=True, normalize=True))
+    assert bits(merged["attn"]["w"]) == bits(reference(base, ms, [1, 1], trim=0.5, consensus=True, normalize=True))
+    sl, _ = treecli.merge([tree(ms[0])], "slerp", base=tree(base), t=["0", "mlp.**=1"])
+    assert bits(sl["mlp"]["w"]) == bits(ms[0]) and bits(sl["attn"]["w"]) == bits(base)
+
+
+def test_integer_leaves_follow_averages_rules():
+    base = {"w": np.zeros(3, np.float32), "step": np.int64(1)}
+    a = {"w": np.ones(3, np.float32), "step": np.int64(1)}
+    b = {"w": np.ones(3, np.float32), "step": np.int64(2)}
+    merged, report = treecli.merge([a, b], "task_arithmetic", base=base)
+    assert int(np.asarray(merged["step"])) == 2 and report.differing == ["step"]
+    with pytest.raises(treecli.StructureError, match="cannot be merged"):
+        treecli.merge([a, b], "task_arithmetic", base=base, non_float="error")
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda a, b, base: treecli.merge([a, b], "slerp", base=base, t=0.5), "two models"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, density=0), "(0, 1]"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, density=1.5), "(0, 1]"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, density=["0.5", "nothing.**=0.3"]), "matches nothing"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, density=["w=0.5", "*=0.3"]), "two rules"),
+    (lambda a, b, base: treecli.merge([a, b], "ties"), "base"),
+    (lambda a, b, base: treecli.merge([a], "slerp", base=base), "t"),
+    (lambda a, b, base: treecli.merge([a], "task_arithmetic", base=base, density=0.5), "ties and dare"),
+    (lambda a, b, base: treecli.merge([a, b], "median", base=base), "unknown merge method"),
+    (lambda a, b, base: treecli.merge([a], "ties", base={"w": np.zeros(3, np.float64)}), "differ"),
+])
+def test_refusals(call, fragment):
+    a, b, base = ({"w": np.full(3, v, np.float32)} for v in (1, 2, 0))
+    with pytest.raises(treecli.TreecliError) as info:
+        call(a, b, base)
+    assert fragment in str(info.value)
+
+
+def test_cli_merges_mixed_formats_and_names_flags(tmp_path, cli):
+    base, ms = models(BF16, count=2)
+    treecli.save({"layers": {"0": {"w": base}}}, tmp_path / "base.safetensors")
+    treecli.save({"layers": {"0": {"w": ms[0]}}}, tmp_path / "a.npz")
+    treecli.save({"layers": {"0": {"w": ms[1]}}}, tmp_path / "b.safetensors")
+    out = tmp_path / "ties.safetensors"
+    result = cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors", tmp_path / "a.npz",
+                 tmp_path / "b.safetensors", "--density", "0.5", "--weights", "1,2", "-o", out)
+    assert result.code == 0, result.stderr
+    want = reference(base, ms, [1.0, 2.0], trim=0.5, consensus=True, normalize=True)
+    assert bits(treecli.load(out)["layers"]["0"]["w"]) == bits(want)
+    assert_clean_error(cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors",
+                           tmp_path / "a.npz", "--density", "2", "-o", tmp_path / "x.safetensors"), "--density '2'")
+    assert_clean_error(cli("merge", "--method", "slerp", tmp_path / "a.npz", tmp_path / "b.safetensors",
+                           tmp_path / "base.safetensors", "--t", "0.5", "-o", tmp_path / "y.safetensors"),
+                       "two models")
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()

@@ -1,0 +1,75 @@
+"""``treecli merge``: task arithmetic, TIES, DARE and SLERP, streamed."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import open_input, write_output
+from treecli.cli._output import Output
+
+
+def merge(
+    checkpoints: Annotated[list[str], typer.Argument(help="The models to merge (any formats, the same key paths, "
+                                                      "shapes and dtypes).", show_default=False,
+                                                      metavar="MODELS...")],
+    output: opt.OutputOpt,
+    method: Annotated[str, typer.Option("--method", "-m", help="linear, task_arithmetic, ties, dare_linear, "
+                                        "dare_ties or slerp.", show_default=False)],
+    base: Annotated[Optional[str], typer.Option("--base", help="The base model the task vectors (model - base) are "
+                                                "taken from; for slerp, the model at t = 0.",
+                                                show_default=False)] = None,
+    weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="One weight per model, e.g. 1,0.5 "
+                                                   "(default: 1 each).", show_default=False)] = None,
+    density: opt.patterns("--density", "[PATTERN=]D in (0, 1]: the fraction of each task vector kept (ties: the "
+                          "largest magnitudes; dare_*: at random). Default 1.") = None,
+    lambda_: opt.patterns("--lambda", "[PATTERN=]L: the scale of the merged task vector. Default 1.") = None,
+    t: opt.patterns("--t", "[PATTERN=]T: slerp's interpolation factor, 0 the base, 1 the other model.") = None,
+    seed: Annotated[int, typer.Option("--seed", help="DARE's random seed: the same seed gives the same bytes "
+                                      "anywhere.")] = 0,
+    normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="Divide by the summed "
+                                                      "weights (default: the method's own, as mergekit: linear "
+                                                      "and ties do).", show_default=False)] = None,
+    non_float: Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
+                                           "between inputs: 'last', 'first' or 'error', as in average.")] = "last",
+    format: opt.OutputFormatOpt = None,
+    force: opt.ForceOpt = False,
+    max_shard_size: opt.MaxShardOpt = None,
+    drop_unsupported: opt.DropUnsupportedOpt = False,
+    like: opt.LikeOpt = None,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Merge models with mergekit's methods, on any format, in flat memory.
+
+    Parameters take rules, as slice --index does: a bare value is the default and
+    PATTERN=VALUE sets it for the leaves under a pattern.
+
+    Examples:
+
+    \b
+        treecli merge --method task_arithmetic --base base ft_a ft_b --lambda 0.8 -o out
+        treecli merge --method ties --base base ft_a ft_b --density 0.5 --density 'model.layers.*.mlp.**=0.7' -o out
+        treecli merge --method dare_ties --base base ft_a ft_b --density 0.3 --seed 7 -o out
+        treecli merge --method slerp --base a b --t 0.5 --t 'model.layers.*.self_attn.**=0.3' -o out
+    """
+    from treecli._average import parse_weights
+    from treecli._merge import merge as merge_trees
+
+    out = Output(quiet=quiet)
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(open_input(out, path, like=like)) for path in checkpoints]
+        base_checkpoint = stack.enter_context(open_input(out, base, like=like)) if base else None
+        tree, report = merge_trees(
+            [c.tree for c in opened], method, base=base_checkpoint.tree if base_checkpoint else None,
+            weights=parse_weights(weights, len(opened)), density=density, lambda_=lambda_, t=t, seed=seed,
+            normalize=normalize, names=list(checkpoints), base_name=base or "base", non_float=non_float)
+        source = base_checkpoint or opened[0]
+        write_output(out, tree, output, source=source, inputs=[*opened, *([base_checkpoint] if base else [])],
+                     format=format, force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        for line in report.notes():
+            out.note(line)
+        for line in report.warnings():
+            out.warn(line)
