@@ -51,9 +51,9 @@ def merge(
 
     \b
         treecli merge --method task_arithmetic --base base ft_a ft_b --lambda 0.8 -o out
-        treecli merge --method ties --base base ft_a ft_b --density 0.5 --density 'model.layers.*.mlp.**=0.7' -o out
+        treecli merge --method ties --base base ft_a ft_b --density 0.5 --density 'encoder.**=0.7' -o out
         treecli merge --method dare_ties --base base ft_a ft_b --density 0.3 --seed 7 -o out
-        treecli merge --method slerp --base a b --t 0.5 --t 'model.layers.*.self_attn.**=0.3' -o out
+        treecli merge --method slerp --base a.safetensors b.safetensors --t 0.5 --t 'embed.**=0.3' -o out
     """
     from treecli._average import parse_weights
     from treecli._merge import merge as merge_trees
