@@ -267,53 +267,71 @@ class _Trims:
     """TIES' trim of each task vector of one leaf: which elements are among the ``k``
     largest magnitudes, found on first use by streaming passes (module docstring)."""
 
+    # Pass B keeps the (offset, low bits) of the elements in the bin that holds the cut,
+    # up to this many per leaf, so that ties at the cut need no third pass.
+    MAX_RECORDED = 1 << 22
+
     def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], density: float, keypath: str):
         self._base, self._models, self._keypath = base, models, keypath
         self._k = int(density * base.size)
         self._lock = threading.Lock()
-        self._cuts: list[tuple[int, int | None]] | None = None  # per model: (threshold bits, cut index)
+        self._cuts: list[tuple[int, int | None]] | None = None  # per model: (threshold bits, cut offset)
 
     def keep(self, model: int, start: int, stop: int, delta) -> Any:
-        import numpy as np
-
         with self._lock:
             if self._cuts is None:
                 self._cuts = self._select()
         threshold, cut = self._cuts[model]
         keys = _magnitude_bits(delta)
-        keep = keys > threshold
-        ties = keys == threshold
-        if cut is None:
-            return keep | ties
-        return keep | (ties & (np.arange(start, stop) < cut))
+        keep = keys >= threshold
+        if cut is not None and cut < stop:  # of the values equal to the threshold, those from cut on go
+            tail = keep[max(0, cut - start):]
+            tail &= keys[max(0, cut - start):] > threshold
+        return keep
 
     def _select(self) -> list[tuple[int, int | None]]:
         import numpy as np
 
         n = len(self._models)
         high = [np.zeros(1 << 16, np.int64) for _ in range(n)]
-        self._scan(lambda i, keys, start: high[i].__iadd__(np.bincount(keys >> 16, minlength=1 << 16)))
+
+        def high_pass(i: int, keys, start: int) -> None:
+            high[i] += np.bincount(keys >> 16, minlength=1 << 16)
+
+        self._scan(high_pass)
         bins = [_kth_bin(h, self._k) for h in high]  # (bin, count above it)
         low = [np.zeros(1 << 16, np.int64) for _ in range(n)]
+        recorded: list[list | None] = [[] for _ in range(n)]  # (offsets, low bits) inside the bin
+        budget = [self.MAX_RECORDED // n] * n
 
         def low_pass(i: int, keys, start: int) -> None:
-            inside = keys[(keys >> 16) == bins[i][0]]
-            low[i] += np.bincount(inside & 0xFFFF, minlength=1 << 16)
+            inside = np.flatnonzero((keys >> 16) == bins[i][0])
+            bits = keys[inside] & 0xFFFF
+            low[i] += np.bincount(bits, minlength=1 << 16)
+            if recorded[i] is not None:
+                budget[i] -= len(inside)
+                recorded[i] = None if budget[i] < 0 else recorded[i] + [(inside + start, bits)]
 
         self._scan(low_pass)
         cuts, needed = [], []
         for i in range(n):
             lo, above_lo = _kth_bin(low[i], self._k - bins[i][1])
             threshold = (bins[i][0] << 16) | lo
-            take = self._k - bins[i][1] - above_lo  # values equal to the threshold to keep
-            cuts.append([threshold, None])
-            needed.append(take if take < low[i][lo] else 0)
+            take = self._k - bins[i][1] - above_lo  # how many values equal to the threshold are kept
+            cut = None
+            if take < low[i][lo] and recorded[i] is not None:
+                offsets = np.concatenate([o for o, _ in recorded[i]])
+                bits = np.concatenate([b for _, b in recorded[i]])
+                cut = int(offsets[bits == lo][take])  # the first value equal to the threshold not kept
+            cuts.append([threshold, cut])
+            needed.append(take if take < low[i][lo] and recorded[i] is None else 0)
         if any(needed):
             self._find_cuts(cuts, needed)
         return [(int(threshold), cut) for threshold, cut in cuts]
 
     def _find_cuts(self, cuts: list, needed: list[int]) -> None:
-        """Where, in element order, the last tie to keep lies: the ones before it are kept."""
+        """A third pass, when the bin at the cut held too many values to record: where, in
+        element order, the first value equal to the threshold that is not kept lies."""
         import numpy as np
 
         seen = [0] * len(needed)
@@ -322,8 +340,8 @@ class _Trims:
             if not needed[i] or cuts[i][1] is not None:
                 return
             ties = np.flatnonzero(keys == cuts[i][0])
-            if seen[i] + len(ties) >= needed[i]:
-                cuts[i][1] = start + int(ties[needed[i] - seen[i] - 1]) + 1
+            if seen[i] + len(ties) > needed[i]:
+                cuts[i][1] = start + int(ties[needed[i] - seen[i]])
             seen[i] += len(ties)
 
         self._scan(tie_pass)
@@ -332,18 +350,20 @@ class _Trims:
         """One pass over the leaf in order: ``visit(model, magnitude bits, start)`` per block."""
         import numpy as np
 
+        wide = self._base.dtype.itemsize > 4
         for start in range(0, self._base.size, SUB_CHUNK):
             stop = min(self._base.size, start + SUB_CHUNK)
-            b = self._base.read_flat(start, stop).astype(np.float64)
+            b = self._base.read_flat(start, stop).astype(np.float64 if wide else np.float32)
             for i, model in enumerate(self._models):
-                visit(i, _magnitude_bits(model.read_flat(start, stop).astype(np.float64) - b), start)
+                # Up to float32 inputs the float32 difference is float32(|exact difference|): the same keys.
+                visit(i, _magnitude_bits(np.subtract(model.read_flat(start, stop), b, dtype=b.dtype)), start)
 
 
 def _magnitude_bits(delta):
     """``|delta|`` as float32 bit patterns: for non-negative floats, ordered as the values."""
     import numpy as np
 
-    return np.abs(delta).astype(np.float32).view(np.uint32)
+    return np.abs(delta).astype(np.float32, copy=False).view(np.uint32)
 
 
 def _kth_bin(histogram, k: int) -> tuple[int, int]:

@@ -1,0 +1,156 @@
+"""Benchmark: `treecli merge`, each method, on three ~1 GiB fp32 fine-tunes of a ~1 GiB
+base, against references measured in the same run:
+
+  (a) `treecli average` of the three fine-tunes: one streaming pass, the floor;
+  (b) mergekit's same method (`mergekit-pytorch`, which takes plain safetensors files),
+      from a venv of its own with a CPU torch:
+        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit
+        python bench/merge.py --mergekit /tmp/mk/bin/mergekit-pytorch
+      For the deterministic methods (task_arithmetic, ties, slerp) the largest
+      difference between the two outputs is reported.
+
+    python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH]
+
+Wall time is the median of --runs (mergekit: one run); peak RSS is the child's
+ru_maxrss (for mergekit, that of the process it starts). Page cache warm for all.
+Targets (issue 18): every method >= 5x faster than mergekit's; TIES <= 2.5x the time of
+`average`; peak RSS <= 200 MB and flat when the model doubles (run with --gib 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Made in a child: ru_maxrss survives exec, so arrays made here would count in every command.
+MAKE = r'''
+import sys
+import numpy as np
+from safetensors.numpy import save_file
+directory, gib = sys.argv[1], float(sys.argv[2])
+rows = int(gib * 2**30) // 32 // 4 // 4096  # 32 leaves [rows, 4096] fp32
+rng = np.random.default_rng(0)
+base = {f"layers.{k}.w": rng.standard_normal((rows, 4096), dtype=np.float32) for k in range(32)}
+save_file(base, f"{directory}/base.safetensors")
+for i in range(3):
+    rng = np.random.default_rng(i + 1)
+    save_file({k: v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(0.01) for k, v in base.items()},
+              f"{directory}/ft{i}.safetensors")
+'''
+
+CHILD = r'''
+import json, os, resource, subprocess, sys, time
+start = time.perf_counter()
+tool, method, out, base, *models = sys.argv[1:]
+params = {"ties": {"density": 0.5}, "dare_linear": {"density": 0.5}, "dare_ties": {"density": 0.5},
+          "slerp": {"t": 0.3}}.get(method, {})
+if tool == "treecli":
+    from treecli.cli import main
+    if method == "average":
+        args = ["average", *models]
+    else:
+        args = ["merge", "--method", method, "--base", base, *models]
+        for name, value in params.items():
+            args += [f"--{name}", str(value)]
+    assert main(args + ["-o", out, "--quiet"]) == 0
+else:
+    config = {"merge_method": method, "base_model": base, "dtype": "float32", "out_dtype": "float32",
+              "parameters": params,
+              "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models]}
+    open(out + ".yml", "w").write(json.dumps(config))  # JSON is YAML
+    subprocess.run([os.environ["BENCH_MERGEKIT"], out + ".yml", out, "--quiet", "--lazy-unpickle",
+                    "--no-copy-tokenizer", "--no-write-model-card"], check=True)
+elapsed = time.perf_counter() - start
+rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(json.dumps({"seconds": elapsed, "rss_mb": rss / 1024}))
+'''
+
+# The largest absolute difference between two outputs, a leaf at a time.
+COMPARE = r'''
+import sys
+from pathlib import Path
+import numpy as np
+from safetensors import safe_open
+def tensors(path):
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), "numpy") as handle:
+            for key in handle.keys():
+                yield key, f, handle
+a = {k: f for k, f, _ in tensors(sys.argv[1])}
+b = {k: f for k, f, _ in tensors(sys.argv[2])}
+assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
+worst = 0.0
+for key in a:
+    with safe_open(str(a[key]), "numpy") as x, safe_open(str(b[key]), "numpy") as y:
+        worst = max(worst, float(np.max(np.abs(x.get_tensor(key).astype(np.float64) - y.get_tensor(key)))))
+print(worst)
+'''
+
+METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")
+DETERMINISTIC = ("task_arithmetic", "ties", "slerp")
+
+
+def run(tool: str, method: str, out: Path, base: Path, models: list[Path], env: dict[str, str]) -> dict:
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.sync()  # else the previous run's dirty pages throttle this run's writes
+    result = subprocess.run([sys.executable, "-c", CHILD, tool, method, str(out), str(base), *map(str, models)],
+                            capture_output=True, text=True, env={**os.environ, **env})
+    if result.returncode:
+        sys.exit(f"{tool} {method} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--mergekit", default=shutil.which("mergekit-pytorch"), help="mergekit-pytorch to run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        tmp = Path(tmp)
+        subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib)], check=True)
+        base, fts = tmp / "base.safetensors", [tmp / f"ft{i}.safetensors" for i in range(3)]
+        for p in (base, *fts):  # warm the page cache from another process
+            subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
+        env = {"BENCH_MERGEKIT": args.mergekit or ""}
+
+        def median(tool: str, method: str, models: list[Path], runs: int) -> dict:
+            results = [run(tool, method, tmp / f"{tool}-{method}.safetensors", base, models, env) for _ in range(runs)]
+            return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+        floor = median("treecli", "average", fts, args.runs)
+        print(f"base + 3 fine-tunes, {base.stat().st_size / 2**30:.2f} GiB each, fp32")
+        print(f"{'':<24} {'wall':>8} {'peak RSS':>10} {'vs average':>11}")
+        print(f"{'treecli average':<24} {floor['seconds']:>7.2f}s {floor['rss_mb']:>8.0f}MB {1:>10.2f}x")
+        for method in args.methods.split(","):
+            models = fts[:1] if method == "slerp" else fts
+            ours = median("treecli", method, models, args.runs)
+            line = (f"{'treecli ' + method:<24} {ours['seconds']:>7.2f}s {ours['rss_mb']:>8.0f}MB "
+                    f"{ours['seconds'] / floor['seconds']:>10.2f}x")
+            if args.mergekit:
+                theirs = median("mergekit", method, models, 1)
+                line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
+                         f"{theirs['seconds'] / ours['seconds']:.1f}x slower")
+                if method in DETERMINISTIC:
+                    worst = subprocess.run([sys.executable, "-c", COMPARE, str(tmp / f"treecli-{method}.safetensors"),
+                                            str(tmp / f"mergekit-{method}.safetensors")], capture_output=True,
+                                           text=True, check=True).stdout.strip()
+                    line += f", largest difference {float(worst):.3g}"
+            print(line, flush=True)
+        if not args.mergekit:
+            print("mergekit: not found; give --mergekit PATH/mergekit-pytorch to include it (see --help)")
+
+
+if __name__ == "__main__":
+    main()
