@@ -334,8 +334,10 @@ class _Trims:
             bits = (keys[inside] & 0xFFFF).astype(np.uint16)
             low[i] += np.bincount(bits, minlength=1 << 16)
             room[i] -= len(inside)
-            if recorded[i] is not None:
-                recorded[i] = None if room[i] < 0 else recorded[i] + [(inside + start, bits)]
+            if room[i] < 0:
+                recorded[i] = None
+            elif recorded[i] is not None:
+                recorded[i].append((inside + start, bits))
 
         self._scan(low_pass)
         cuts, needed = [], []
