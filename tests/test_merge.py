@@ -67,7 +67,7 @@ def test_ties_elects_signs_by_weighted_mass_hand_checked():
     assert np.asarray(merged["w"]).tolist() == [-3, -2, 2, 0.5]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16, F16])
+@pytest.mark.parametrize("dtype", [np.float32, BF16, F16, np.float64])
 @pytest.mark.parametrize("method, options, expected", [
     ("task_arithmetic", {"lambda_": 0.7}, {"scale": 0.7}),
     ("ties", {"density": 0.4}, {"trim": 0.4, "consensus": True, "normalize": True}),
@@ -94,6 +94,16 @@ def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
     kept = [np.count_nonzero(np.asarray(treecli.merge([{"w": m}], "ties", base={"w": base}, density=0.3)[0]["w"]))
             for m in ms]
     assert kept == [int(0.3 * n)] * 2  # exactly k, never the ties beyond it
+
+
+def test_ties_finds_the_cut_in_a_third_pass_when_the_bin_is_too_full_to_record(monkeypatch):
+    monkeypatch.setattr(_merge._Trims, "MAX_RECORDED", 8)
+    rng = np.random.default_rng(3)
+    n = SUB_CHUNK + 4321
+    base = np.zeros(n, BF16)
+    ms = [np.round(rng.standard_normal(n) * 2).astype(BF16) for _ in range(2)]
+    merged, _ = treecli.merge([{"w": m} for m in ms], "ties", base={"w": base}, density=0.6)
+    assert bits(merged["w"]) == bits(reference(base, ms, [1.0, 1.0], trim=0.6, consensus=True, normalize=True))
 
 
 def test_dare_is_the_same_whatever_the_chunks_and_keeps_about_density():
