@@ -88,11 +88,12 @@ def tensors(path):
 a = {k: f for k, f, _ in tensors(sys.argv[1])}
 b = {k: f for k, f, _ in tensors(sys.argv[2])}
 assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
-worst = 0.0
+worst, differing, total = 0.0, 0, 0
 for key in a:
     with safe_open(str(a[key]), "numpy") as x, safe_open(str(b[key]), "numpy") as y:
-        worst = max(worst, float(np.max(np.abs(x.get_tensor(key).astype(np.float64) - y.get_tensor(key)))))
-print(worst)
+        gap = np.abs(x.get_tensor(key).astype(np.float64) - y.get_tensor(key))
+        worst, differing, total = max(worst, float(gap.max())), differing + int((gap > 1e-6).sum()), total + gap.size
+print(worst, differing, total)
 '''
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")
@@ -143,10 +144,12 @@ def main() -> None:
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
                          f"{theirs['seconds'] / ours['seconds']:.1f}x slower")
                 if method in DETERMINISTIC:
-                    worst = subprocess.run([sys.executable, "-c", COMPARE, str(tmp / f"treecli-{method}.safetensors"),
-                                            str(tmp / f"mergekit-{method}.safetensors")], capture_output=True,
-                                           text=True, check=True).stdout.strip()
-                    line += f", largest difference {float(worst):.3g}"
+                    worst, differing, total = subprocess.run(
+                        [sys.executable, "-c", COMPARE, str(tmp / f"treecli-{method}.safetensors"),
+                         str(tmp / f"mergekit-{method}.safetensors")], capture_output=True, text=True,
+                        check=True).stdout.split()
+                    line += (f", largest difference {float(worst):.3g} ({int(differing)} of {int(total)} elements "
+                             "differ by more than 1e-6)")
             print(line, flush=True)
         if not args.mergekit:
             print("mergekit: not found; give --mergekit PATH/mergekit-pytorch to include it (see --help)")

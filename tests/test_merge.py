@@ -180,6 +180,8 @@ def test_integer_leaves_follow_averages_rules():
     (lambda a, b, base: treecli.merge([a], "slerp", base=base), "t"),
     (lambda a, b, base: treecli.merge([a], "task_arithmetic", base=base, density=0.5), "ties and dare"),
     (lambda a, b, base: treecli.merge([a, b], "median", base=base), "unknown merge method"),
+    (lambda a, b, base: treecli.merge([a], "slerp", base=base, t=0.5, density=0.5), "task methods"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, t=0.5), "slerp's"),
     (lambda a, b, base: treecli.merge([a], "ties", base={"w": np.zeros(3, np.float64)}), "differ"),
 ])
 def test_refusals(call, fragment):

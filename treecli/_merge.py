@@ -72,7 +72,7 @@ class Scoped:
                  check: Callable[[float], bool], requirement: str):
         self.flag = flag
         self.default = default
-        self.rules: list[tuple[str, Any, float]] = []
+        self.rules: list[tuple[str, str, Any, float]] = []  # (rule, pattern, parsed pattern, value)
         texts = [] if rules is None else [str(rules)] if isinstance(rules, (int, float)) else list(rules)
         defaults = []
         for text in texts:
@@ -90,17 +90,17 @@ class Scoped:
                 defaults.append(text)
                 self.default = value
             else:
-                self.rules.append((text, _keypath.parse(pattern.strip()), value))
+                self.rules.append((text, pattern.strip(), _keypath.parse(pattern.strip()), value))
         if len(defaults) > 1:
             raise UsageError(f"two defaults ({option(flag, defaults[0])}, {option(flag, defaults[1])}); give one")
 
     def check_matches(self, tree: Any) -> None:
-        for text, parsed, _ in self.rules:
+        for text, pattern, parsed, _ in self.rules:
             if not any(_keypath.matches(parsed, kp) for kp, _ in _tree.iter_nodes(tree)):
-                raise _tree.no_match(tree, text.split("=", 1)[0], f"{option(self.flag, text)} matches nothing")
+                raise _tree.no_match(tree, pattern, f"{option(self.flag, text)} matches nothing")
 
     def value(self, keypath: tuple) -> float | None:
-        hits = [(text, value) for text, parsed, value in self.rules if _keypath.covers(parsed, keypath)]
+        hits = [(text, value) for text, _, parsed, value in self.rules if _keypath.covers(parsed, keypath)]
         if len(hits) > 1:
             raise KeyPathError(f"matched by two rules: {option(self.flag, hits[0][0])} and "
                                f"{option(self.flag, hits[1][0])}", keypath=format_keypath(keypath))
@@ -155,16 +155,26 @@ def merge(
         models = ([base] if base is not None else []) + list(trees)
         if len(models) != 2:
             raise UsageError(f"slerp interpolates two models; {len(models)} were given")
+        if density is not None or lambda_ is not None:
+            raise UsageError(f"slerp takes {option('t', 'T')}; {option('density', 'D')} and "
+                             f"{option('lambda_', 'L')} are for the task methods")
         ts = Scoped("t", t, None, lambda v: True, "a finite number")
         if ts.default is None and not ts.rules:
             raise UsageError(f"slerp needs {option('t', 'T')}: 0 gives the first model (the base), 1 the second")
-        return _merge_leaves(models, ([base_name] if base is not None else []) + names, non_float,
-                             lambda kp, text, leaves: _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text), checked=[ts])
+
+        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf]) -> _leaf.ComputedLeaf:
+            return _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text)
+
+        return _merge_leaves(models, ([base_name] if base is not None else []) + names, non_float, interpolated,
+                             checked=[ts])
     if base is None:
         raise UsageError(f"{method} merges task vectors (model - base): give {option('base', 'BASE')}")
     if not trees:
         raise UsageError(f"{method} needs at least one model besides the base")
     spec = TASK_METHODS[method]
+    if t is not None:
+        raise UsageError(f"{option('t', 'T')} is slerp's; {method} takes {option('density', 'D')} and "
+                         f"{option('lambda_', 'L')}")
     densities = Scoped("density", density, 1.0, lambda v: 0 < v <= 1, "a density must lie in (0, 1]")
     lambdas = Scoped("lambda_", lambda_, 1.0, lambda v: True, "a finite number")
     if spec.sparsify is None and density is not None:
