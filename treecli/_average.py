@@ -18,7 +18,7 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _dtypes, _leaf, _tree
 from treecli._bytes import stream
@@ -136,11 +136,26 @@ def average(
     if out_dtype and not _dtypes.is_float(out_dtype):
         raise UsageError(f"{option('dtype', dtype)}: the output of an average must be a floating-point dtype")
 
+    convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
+
+    def averaged(keypath: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> Any:
+        return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
+
+    return combine_inputs(trees, names, non_float, averaged, "averaged")
+
+
+def combine_inputs(trees: list[Any], names: list[str], non_float: str,
+                   float_leaf: Callable[[tuple, str, list[_leaf.ArrayLeaf], AverageReport], Any], verb: str,
+                   checks: Sequence[Callable[[], None]] = ()) -> tuple[Any, AverageReport]:
+    """The tree of ``float_leaf(keypath, text, leaves, report)`` for the float array leaves
+    of same-structured inputs, and of their integer, bool and non-array leaves copied
+    (per ``non_float``). Structures are compared first, then ``checks`` run, before any
+    data is read."""
     differences = _tree.structure_differences(trees, names)
     if differences:
         raise StructureError(f"the inputs differ in {len(differences)} leaves", details=differences)
-
-    convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
+    for check in checks:
+        check()
     report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
     flats = [dict(_tree.flatten(t)) for t in trees]
     mismatched: list[str] = []
@@ -148,41 +163,24 @@ def average(
     def combine(keypath: tuple, first: Any) -> Any:
         text = format_keypath(keypath)
         leaves = [flat[keypath] for flat in flats]
-        if is_float_array(first):
-            leaves = [_leaf.as_leaf(x) for x in leaves]
-            return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
-        return copied_leaf(text, leaves, names, non_float, report, mismatched)
+        if _leaf.is_array(first) and _dtypes.is_float(_leaf.as_leaf(first).dtype_name):
+            return float_leaf(keypath, text, [_leaf.as_leaf(x) for x in leaves], report)
+        report.copied.append(text)
+        if all(_equal(leaves[0], other) for other in leaves[1:]):
+            return first
+        if non_float == "error":
+            mismatched.append(f"{text}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
+        report.differing.append(text)
+        return first if non_float == "first" else leaves[-1]
 
     result = _tree.map_leaves(combine, trees[0])
-    refuse_mismatched(mismatched, "averaged")
-    return result, report
-
-
-def is_float_array(value: Any) -> bool:
-    """Whether a leaf is averaged (merged) rather than copied."""
-    return _leaf.is_array(value) and _dtypes.is_float(_leaf.as_leaf(value).dtype_name)
-
-
-def copied_leaf(keypath: str, leaves: list[Any], names: list[str], non_float: str, report: AverageReport,
-                mismatched: list[str]) -> Any:
-    """An integer, bool or non-array leaf: copied when the inputs agree, else per ``non_float``
-    (a difference is noted in the report, or listed in ``mismatched`` for ``"error"``)."""
-    report.copied.append(keypath)
-    if all(_equal(leaves[0], other) for other in leaves[1:]):
-        return leaves[0]
-    if non_float == "error":
-        mismatched.append(f"{keypath}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
-    report.differing.append(keypath)
-    return leaves[0] if non_float == "first" else leaves[-1]
-
-
-def refuse_mismatched(mismatched: list[str], verb: str) -> None:
     if mismatched:
         raise StructureError(
             f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be {verb} "
             f"(use {option('non_float', 'last')} or 'first' to copy them from one input)",
             details=mismatched,
         )
+    return result, report
 
 
 def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,

@@ -31,6 +31,7 @@ at each element's offset: the same bytes whatever the chunk size or thread count
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -40,7 +41,7 @@ from typing import Any, Callable
 from treecli import _average, _keypath, _leaf, _tree
 from treecli._average import SUB_CHUNK, AverageReport
 from treecli._bytes import stream
-from treecli._errors import KeyPathError, StructureError, UsageError, option
+from treecli._errors import KeyPathError, UsageError, option
 from treecli._keypath import format_keypath
 
 SLERP_PARALLEL = 0.9995  # mergekit's DOT_THRESHOLD: closer to parallel than this, interpolate linearly
@@ -192,25 +193,8 @@ def _merge_leaves(trees: list[Any], names: list[str], non_float: str,
                   merged: Callable[[tuple, str, list[_leaf.ArrayLeaf]], Any], checked: list[Scoped]
                   ) -> tuple[Any, AverageReport]:
     """Compare structures before any data is read, then merge float leaves and copy the rest."""
-    differences = _tree.structure_differences(trees, names)
-    if differences:
-        raise StructureError(f"the inputs differ in {len(differences)} leaves", details=differences)
-    for scoped in checked:
-        scoped.check_matches(trees[0])
-    report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
-    flats = [dict(_tree.flatten(tree)) for tree in trees]
-    mismatched: list[str] = []
-
-    def combine(keypath: tuple, first: Any) -> Any:
-        text = format_keypath(keypath)
-        leaves = [flat[keypath] for flat in flats]
-        if _average.is_float_array(first):
-            return merged(keypath, text, [_leaf.as_leaf(x) for x in leaves])
-        return _average.copied_leaf(text, leaves, names, non_float, report, mismatched)
-
-    result = _tree.map_leaves(combine, trees[0])
-    _average.refuse_mismatched(mismatched, "merged")
-    return result, report
+    return _average.combine_inputs(trees, names, non_float, lambda kp, text, leaves, _: merged(kp, text, leaves),
+                                   "merged", checks=[functools.partial(s.check_matches, trees[0]) for s in checked])
 
 
 # --- task vectors: task arithmetic, TIES, DARE ---------------------------------------------------

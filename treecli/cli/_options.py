@@ -63,6 +63,10 @@ LikeOpt = Annotated[
                  metavar="MODULE:ATTR"),
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
+NonFloatOpt = Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
+                                          "between inputs (step counters, optax counts, JSON items): 'last' copies "
+                                          "the last input's (the newest, listing steps in order), 'first' the "
+                                          "first's, 'error' refuses. A note names them.")]
 MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Shard a safetensors directory output (e.g. 5GB, 500MiB).",

@@ -25,10 +25,7 @@ def average(
                                                "scale them to sum 1.")] = False,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype of float leaves (default: each "
                                                  "leaf's own; bf16 stays bf16).", show_default=False)] = None,
-    non_float: Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
-                                           "between inputs (step counters, optax counts, JSON items): 'last' "
-                                           "copies the last input's (the newest, listing steps in order), "
-                                           "'first' the first's, 'error' refuses. A note names them.")] = "last",
+    non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,

@@ -33,8 +33,7 @@ def merge(
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="Divide by the summed "
                                                       "weights (default: the method's own, as mergekit: linear "
                                                       "and ties do).", show_default=False)] = None,
-    non_float: Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
-                                           "between inputs: 'last', 'first' or 'error', as in average.")] = "last",
+    non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
