@@ -262,15 +262,15 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
 def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float):
     """DARE's keep mask for elements ``[start, stop)`` of one model's task vector.
 
-    Counter-based: element ``e``'s coin is SplitMix64's output for the state
-    ``key + (e + 1) * golden``, the key hashed from (seed, key path, model), so no
-    chunking or thread count changes it. Kept where the 64-bit output is below
-    ``density * 2**64``."""
+    Counter-based: elements ``2j`` and ``2j + 1`` take the low and high 32 bits of
+    SplitMix64's output for the state ``key + (j + 1) * golden``, the key hashed from
+    (seed, key path, model), so no chunking or thread count changes a coin. An element
+    is kept where its 32 bits are below ``density * 2**32``."""
     import numpy as np
 
     key = int.from_bytes(hashlib.blake2b(f"{seed}\0{keypath}\0{model}".encode(), digest_size=8).digest(), "little")
     with np.errstate(over="ignore"):
-        z = np.arange(start + 1, stop + 1, dtype=np.uint64)
+        z = np.arange(start // 2 + 1, (stop + 1) // 2 + 1, dtype=np.uint64)
         z *= np.uint64(0x9E3779B97F4A7C15)
         z += np.uint64(key)
         z ^= z >> np.uint64(30)
@@ -278,7 +278,8 @@ def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, densit
         z ^= z >> np.uint64(27)
         z *= np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
-    return z < np.uint64(min(2**64 - 1, int(density * 2**64)))
+    coins = z.view("<u4")[start % 2 : start % 2 + stop - start]
+    return coins < np.uint32(min(2**32 - 1, int(density * 2**32)))
 
 
 class _Trims:
@@ -412,17 +413,23 @@ def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypa
     lock = threading.Lock()
     factors: list[tuple[float, float]] = []
 
+    def sums(thread: int, totals: list[float]) -> None:
+        """Dot product and squared norms over every other block (two threads: the BLAS
+        calls let go of the GIL)."""
+        for start in range(thread * SUB_CHUNK, v0.size, 2 * SUB_CHUNK):
+            stop = min(v0.size, start + SUB_CHUNK)
+            a = v0.read_flat(start, stop).astype(np.float64)
+            b = v1.read_flat(start, stop).astype(np.float64)
+            totals[0] += float(a @ b)
+            totals[1] += float(a @ a)
+            totals[2] += float(b @ b)
+
     def coefficients() -> tuple[float, float]:
         with lock:
             if not factors:
-                dot = norm0 = norm1 = 0.0
-                for start in range(0, v0.size, SUB_CHUNK):
-                    stop = min(v0.size, start + SUB_CHUNK)
-                    a = v0.read_flat(start, stop).astype(np.float64)
-                    b = v1.read_flat(start, stop).astype(np.float64)
-                    dot += float(a @ b)
-                    norm0 += float(a @ a)
-                    norm1 += float(b @ b)
+                halves = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+                stream.in_flight([lambda: sums(0, halves[0]), lambda: sums(1, halves[1])])
+                dot, norm0, norm1 = (x + y for x, y in zip(*halves))
                 factors.append(_slerp_factors(t, dot, math.sqrt(norm0), math.sqrt(norm1)))
         return factors[0]
 
