@@ -234,16 +234,18 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
                 total += delta
                 weighted.append(delta)
         if total is not None:
-            # The elected sign is + where the weighted sum is >= 0; a zero delta agrees with neither.
-            positive = total >= 0
-            divisor = np.zeros(stop - start)
+            # The elected sign is + where the weighted sum is >= 0. Multiplied by it, a weighted
+            # delta that agrees is > 0; fmax drops the rest (zeros and NaNs agree with neither).
+            sign = np.where(total >= 0, 1.0, -1.0)
+            divisor = np.zeros(stop - start) if normalize else None
             for wd, w in zip(weighted, weights):
-                agree = (wd > 0) == positive
-                agree &= wd != 0
-                wd *= agree
+                wd *= sign
+                np.fmax(wd, 0.0, out=wd)
                 mixed += wd
-                divisor += agree * w
-            if normalize:
+                if divisor is not None:
+                    divisor += (wd > 0) * w
+            mixed *= sign
+            if divisor is not None:
                 divisor[divisor == 0] = 1
                 mixed /= divisor
         elif normalize:
