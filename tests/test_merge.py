@@ -160,6 +160,15 @@ def test_rules_scope_parameters_to_subtrees():
     assert bits(sl["mlp"]["w"]) == bits(ms[0]) and bits(sl["attn"]["w"]) == bits(base)
 
 
+def test_empty_leaves_merge_and_a_density_that_keeps_nothing_is_refused():
+    base = {"e": np.zeros((0, 4), np.float32), "s": np.zeros((), np.float32)}
+    a = {"e": np.zeros((0, 4), np.float32), "s": np.ones((), np.float32)}
+    merged, _ = treecli.merge([a], "ties", base=base, density=["1", "e=0.5"])
+    assert np.asarray(merged["e"]).shape == (0, 4) and float(np.asarray(merged["s"])) == 1.0
+    with pytest.raises(treecli.UsageError, match="keeps no element"):
+        treecli.merge([a], "ties", base=base, density=0.5)
+
+
 def test_integer_leaves_follow_averages_rules():
     base = {"w": np.zeros(3, np.float32), "step": np.int64(1)}
     a = {"w": np.ones(3, np.float32), "step": np.int64(1)}

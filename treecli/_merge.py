@@ -204,8 +204,8 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
                density: float, scale: float, normalize: bool, seed: int, keypath: str) -> _leaf.ComputedLeaf:
     import numpy as np
 
-    sparse = spec.sparsify is not None and density < 1
-    if sparse and spec.sparsify == "magnitude" and int(density * base.size) == 0:
+    sparse = spec.sparsify is not None and density < 1 and base.size > 0
+    if sparse and spec.sparsify == "magnitude" and int(density * base.size) == 0:  # mergekit refuses it too
         raise UsageError(f"density {density} keeps no element of a leaf of {base.size}; raise it", keypath=keypath)
     trims = _Trims(base, models, density, keypath) if sparse and spec.sparsify == "magnitude" else None
     out_dtype = base.dtype
