@@ -217,3 +217,16 @@ def test_cli_merges_mixed_formats_and_names_flags(tmp_path, cli):
                            tmp_path / "base.safetensors", "--t", "0.5", "-o", tmp_path / "y.safetensors"),
                        "two models")
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+
+
+def test_equinox_modules_merge_into_their_own_type():
+    eqx = pytest.importorskip("equinox")
+    import jax
+
+    base, a, b = (eqx.nn.MLP(2, 3, 4, 2, key=jax.random.PRNGKey(seed)) for seed in range(3))
+    merged, _ = treecli.merge([a, b], "task_arithmetic", base=base, lambda_=0.5)
+    assert type(merged) is eqx.nn.MLP and isinstance(merged.layers[0].weight, jax.Array)
+    want = (np.asarray(base.layers[0].weight, np.float64)
+            + 0.5 * (np.asarray(a.layers[0].weight, np.float64) - np.asarray(base.layers[0].weight)
+                     + np.asarray(b.layers[0].weight, np.float64) - np.asarray(base.layers[0].weight)))
+    assert bits(merged.layers[0].weight) == bits(want.astype(np.float32))
