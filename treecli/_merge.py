@@ -21,10 +21,10 @@ Streaming needs, per leaf, what mergekit reads off a whole tensor: SLERP one
 pass for the dot product and the norms; TIES the exact ``k``-th largest
 magnitude of each task vector, found by a radix select over the float32 bit
 patterns of ``|dᵢ|`` (mergekit ranks float32 magnitudes too): one pass histograms
-the high 16 bits, a second the low 16 bits inside the bin that holds the ``k``-th,
-and, when values equal to it straddle the cut, a third finds where in element
-order the ``k``-th one lies (the first ones in order are kept; mergekit's
-``topk`` keeps an unspecified set). DARE's coin flips come from a counter-based
+the high 16 bits, a second the low 16 bits inside the bin that holds the ``k``-th
+and records where that bin's values lie; when values equal to the ``k``-th straddle
+the cut, the first ones in element order are kept (mergekit's ``topk`` keeps an
+unspecified set), found from those records or, past 4M of them, by a third pass. DARE's coin flips come from a counter-based
 generator (SplitMix64's mixer) keyed by the seed, the leaf's key path and the model,
 at each element's offset: the same bytes whatever the chunk size or thread count.
 """
