@@ -76,7 +76,7 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     (remote safetensors, read by byte ranges), ``s3://BUCKET/KEY`` or
     ``gs://BUCKET/KEY`` (safetensors, HF layouts and Orbax checkpoints).
     """
-    if isinstance(path, str) and path.startswith(URL_SCHEMES):
+    if is_url(path):
         from treecli.formats import _remote  # urllib only when a URL is given
 
         def opening() -> Checkpoint:
@@ -195,7 +195,7 @@ def save(
     from treecli.formats import _outputs
 
     options = options or WriteOptions()
-    if isinstance(target, str) and target.startswith(URL_SCHEMES):
+    if is_url(target):
         if not target.startswith(BUCKET_SCHEMES):
             raise UsageError("treecli writes to s3:// and gs:// buckets; HTTP servers and the Hub are read only",
                              file=target)
