@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from treecli._errors import FormatError
+
 
 class Source(Protocol):
     path: str  # what errors name: the file or the URL the user gave
@@ -28,3 +30,16 @@ class Source(Protocol):
 
     def close(self) -> None:
         """Release descriptors or connections; reading again reopens them where it can."""
+
+
+def small_text(body: bytes | None, limit: int, name: str, what: str = "metadata file") -> str | None:
+    """A small remote text file (an index, JSON metadata) fetched whole, checked: at
+    most ``limit`` bytes of UTF-8. None stays None (no such file)."""
+    if body is None:
+        return None
+    if len(body) > limit:
+        raise FormatError(f"is over {limit >> 20} MiB; no real {what} is", file=name)
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"is not UTF-8 (byte {e.start})", file=name) from None

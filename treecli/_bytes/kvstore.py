@@ -21,6 +21,7 @@ import os
 import urllib.parse
 from typing import Any
 
+from treecli._bytes import small_text
 from treecli._errors import FormatError, TreecliError, UsageError
 
 HEAD_GUESS = 64 << 10  # a first request this long holds the length and almost every header
@@ -88,14 +89,7 @@ def read_text(store: Any, key: str, url: str, limit: int) -> str | None:
         result = store.read(key).result()
     except Exception as e:
         raise describe(e, url) from None
-    if result.state != "value":
-        return None
-    if len(result.value) > limit:
-        raise FormatError(f"is over {limit >> 20} MiB; no real metadata file is", file=url)
-    try:
-        return result.value.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"is not UTF-8 (byte {e.start})", file=url) from None
+    return small_text(result.value if result.state == "value" else None, limit, url)
 
 
 class KvstoreReader:

@@ -65,7 +65,8 @@ class BucketFolder:
         self.keys = keys  # every key under the prefix, relative to it
 
     @classmethod
-    def open(cls, url: str) -> "BucketFolder":
+    def open(cls, url: str, store: Any = None) -> "BucketFolder":
+        """The folder at ``url``, listed; ``store`` is its bucket's kvstore if already open."""
         import tensorstore as ts
 
         from treecli._bytes import kvstore
@@ -73,8 +74,9 @@ class BucketFolder:
         scheme, bucket, key = kvstore.split_url(url)
         prefix = key.strip("/") + "/" if key.strip("/") else ""
         spec = kvstore.spec(scheme, bucket)
+        if store is None:
+            store, _ = kvstore.open_store(url)
         try:
-            store = ts.KvStore.open(spec).result()
             end = prefix[:-1] + chr(ord("/") + 1) if prefix else ""  # every key that starts with prefix
             keys = store.list(ts.KvStore.KeyRange(prefix, end), strip_prefix_length=len(prefix)).result()
         except Exception as e:
@@ -107,8 +109,7 @@ class BucketFolder:
         return {**self._spec, "path": self._spec["path"] + (name.rstrip("/") + "/" if name else "")}
 
     def inside(self, name: str) -> str | None:
-        parts = name.split("/")
-        return None if name.startswith("/") or ".." in parts or "" in parts else name
+        return _relative_inside(name)
 
 
 class HttpFolder:
@@ -152,23 +153,24 @@ class HttpFolder:
                 "headers": [f"{k}: {v}" for k, v in self._headers.items() if k == "Authorization"]}
 
     def inside(self, name: str) -> str | None:
-        parts = name.split("/")
-        return None if name.startswith("/") or ".." in parts or "" in parts else name
+        return _relative_inside(name)
 
     def _text(self, name: str) -> str | None:
         if name not in self._texts:
+            from treecli._bytes import small_text
             from treecli._bytes.http import get_small
 
-            body = get_small(self._base + urllib.parse.quote(name), self._headers, f"{self.name}/{name}",
-                             MAX_TEXT_BYTES)
-            if body is not None and len(body) > MAX_TEXT_BYTES:
-                raise FormatError(f"is over {MAX_TEXT_BYTES >> 20} MiB; no real metadata file is",
-                                  file=f"{self.name}/{name}")
-            try:
-                self._texts[name] = None if body is None else body.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise FormatError(f"is not UTF-8 (byte {e.start})", file=f"{self.name}/{name}") from None
+            shown = f"{self.name}/{name}"
+            body = get_small(self._base + urllib.parse.quote(name), self._headers, shown, MAX_TEXT_BYTES)
+            self._texts[name] = small_text(body, MAX_TEXT_BYTES, shown)
         return self._texts[name]
+
+
+def _relative_inside(name: str) -> str | None:
+    """``name`` if, as a key under a prefix or a URL path, it stays below it (no leading
+    ``/``, no ``..``, no empty segment), else None."""
+    parts = name.split("/")
+    return None if name.startswith("/") or ".." in parts or "" in parts else name
 
 
 Folder = LocalFolder | BucketFolder | HttpFolder

@@ -20,7 +20,7 @@ import threading
 import urllib.parse
 from typing import Any
 
-from treecli._bytes import kvstore
+from treecli._bytes import kvstore, small_text
 from treecli._bytes.http import HttpReader, NotFoundError, get_small
 from treecli._errors import FormatError, UsageError
 from treecli.formats._base import Checkpoint
@@ -52,19 +52,6 @@ def _headers(url: str) -> dict[str, str]:
     return headers
 
 
-def _get_text(url: str, headers: dict[str, str], name: str) -> str | None:
-    """A small text file (an index), or None if it does not exist."""
-    body = get_small(url, headers, name, MAX_INDEX_BYTES)
-    if body is None:
-        return None
-    if len(body) > MAX_INDEX_BYTES:
-        raise FormatError(f"the shard index is over {MAX_INDEX_BYTES >> 20} MiB; no real index is", file=name)
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"the shard index is not UTF-8 (byte {e.start})", file=name) from None
-
-
 # --- where the files are: a Hub or HTTP directory, or a bucket prefix ----------------------------
 
 
@@ -79,7 +66,8 @@ class _HttpPlace:
         return f"{self.url}/{path}"
 
     def text(self, path: str, name: str) -> str | None:
-        return _get_text(self._files.get(path) or self._base + urllib.parse.quote(path), self._headers, name)
+        url = self._files.get(path) or self._base + urllib.parse.quote(path)
+        return small_text(get_small(url, self._headers, name, MAX_INDEX_BYTES), MAX_INDEX_BYTES, name, "shard index")
 
     def reader(self, path: str, name: str) -> Any:
         reader = HttpReader(self._files.get(path) or self._base + urllib.parse.quote(path), self._headers, name)
@@ -173,7 +161,7 @@ def _open_bucket_directory(url: str, store: Any, key: str, format: str | None, s
     from treecli.formats import orbax
     from treecli.formats._folder import BucketFolder
 
-    folder = BucketFolder.open(url)
+    folder = BucketFolder.open(url, store)
     if format != "orbax" and step is None:
         place = _BucketPlace(url.rstrip("/"), store, key.strip("/") + "/" if key.strip("/") else "")
         if folder.is_file("model.safetensors.index.json"):
