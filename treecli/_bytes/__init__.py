@@ -38,8 +38,12 @@ def small_text(body: bytes | None, limit: int, name: str, what: str = "metadata 
     if body is None:
         return None
     if len(body) > limit:
-        raise FormatError(f"is over {limit >> 20} MiB; no real {what} is", file=name)
+        raise too_long(limit, name, what)
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FormatError(f"is not UTF-8 (byte {e.start})", file=name) from None
+
+
+def too_long(limit: int, name: str, what: str = "metadata file") -> FormatError:
+    return FormatError(f"is over {limit >> 20} MiB; no real {what} is", file=name)

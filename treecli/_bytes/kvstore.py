@@ -21,7 +21,7 @@ import os
 import urllib.parse
 from typing import Any
 
-from treecli._bytes import small_text
+from treecli._bytes import small_text, too_long
 from treecli._errors import FormatError, TreecliError, UsageError
 
 HEAD_GUESS = 64 << 10  # a first request this long holds the length and almost every header
@@ -84,12 +84,26 @@ def describe(error: Exception, url: str) -> TreecliError:
 
 
 def read_text(store: Any, key: str, url: str, limit: int) -> str | None:
-    """A small text object (an index, JSON metadata), or None if it does not exist."""
+    """A small text object (an index, JSON metadata), or None if it does not exist.
+
+    The kvstore names no size, so one byte past ``limit`` is asked for first: an object
+    that has it is refused before anything is read whole."""
+    if _longer_than(store, key, limit, url):
+        raise too_long(limit, url)
     try:
         result = store.read(key).result()
     except Exception as e:
         raise describe(e, url) from None
     return small_text(result.value if result.state == "value" else None, limit, url)
+
+
+def _longer_than(store: Any, key: str, limit: int, url: str) -> bool:
+    try:
+        return store.read(key, byte_range=slice(limit, limit + 1)).result().state == "value"
+    except Exception as e:
+        if str(e).startswith("OUT_OF_RANGE"):  # no byte there: the object is short enough
+            return False
+        raise describe(e, url) from None
 
 
 class KvstoreReader:
