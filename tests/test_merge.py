@@ -79,7 +79,10 @@ def test_task_methods_match_the_reference(dtype, method, options, expected):
     merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, weights=weights, **options)
     want = reference(base, ms, weights, **expected)
     assert np.asarray(merged["w"]).dtype == dtype
-    assert bits(merged["w"]) == bits(want)
+    if dtype == np.float64:  # the elected sum is found another way: equal to within float64's rounding
+        np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-14, atol=1e-15)
+    else:
+        assert bits(merged["w"]) == bits(want)
 
 
 def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
@@ -96,14 +99,66 @@ def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
     assert kept == [int(0.3 * n)] * 2  # exactly k, never the ties beyond it
 
 
+def spy(monkeypatch, cls, name) -> list:
+    calls: list = []
+    original = getattr(cls, name)
+
+    def spied(self, *args):
+        calls.append(args)
+        return original(self, *args)
+
+    monkeypatch.setattr(cls, name, spied)
+    return calls
+
+
+def test_ties_on_a_sampled_leaf_counts_near_the_estimate_in_one_pass(monkeypatch):
+    """A leaf larger than the sample: the threshold comes from one pass that counts the keys
+    above the sample's estimate and records those near it, ties at the cut included."""
+    monkeypatch.setattr(_merge._Trims, "SAMPLE", 4096)
+    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 512)
+    radix = spy(monkeypatch, _merge._Trims, "_radix")
+    rng = np.random.default_rng(2)
+    n = 3 * SUB_CHUNK + 999
+    base = np.zeros(n, BF16)
+    ms = [np.round(rng.standard_normal(n) * 4).astype(BF16) / 4 for _ in range(3)]  # few distinct magnitudes
+    merged, _ = treecli.merge([{"w": m} for m in ms], "ties", base={"w": base}, density=0.35)
+    assert bits(merged["w"]) == bits(reference(base, ms, [1.0] * 3, trim=0.35, consensus=True, normalize=True))
+    assert radix == []
+
+
+def test_ties_stays_exact_when_the_sample_misleads(monkeypatch):
+    """The sampled runs hold tiny deltas and the rest large ones: the estimate is far off,
+    and the radix passes find the exact threshold."""
+    monkeypatch.setattr(_merge._Trims, "SAMPLE", 4096)
+    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 512)
+    radix = spy(monkeypatch, _merge._Trims, "_radix")
+    rng = np.random.default_rng(4)
+    n = 2 * SUB_CHUNK + 77
+    step = 512 * -(-n // 4096)
+    base = rng.standard_normal(n).astype(np.float32)
+    ms = []
+    for _ in range(2):
+        delta = rng.standard_normal(n)
+        for start in range(0, n, step):
+            delta[start : start + 512] *= 1e-3
+        ms.append((base + delta).astype(np.float32))
+    merged, _ = treecli.merge([{"w": m} for m in ms], "ties", base={"w": base}, density=0.5)
+    assert bits(merged["w"]) == bits(reference(base, ms, [1.0, 1.0], trim=0.5, consensus=True, normalize=True))
+    assert len(radix) == 1 and radix[0] == ([0, 1],)
+
+
 def test_ties_finds_the_cut_in_a_third_pass_when_the_bin_is_too_full_to_record(monkeypatch):
-    monkeypatch.setattr(_merge._Trims, "MAX_RECORDED", 8)
+    monkeypatch.setattr(_merge._Trims, "SAMPLE", 1024)
+    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 256)
+    monkeypatch.setattr(_merge._Trims, "MAX_RECORDED", 8)  # too few for the near keys, then the bin
+    third = spy(monkeypatch, _merge._Trims, "_find_cuts")
     rng = np.random.default_rng(3)
     n = SUB_CHUNK + 4321
     base = np.zeros(n, BF16)
     ms = [np.round(rng.standard_normal(n) * 2).astype(BF16) for _ in range(2)]
     merged, _ = treecli.merge([{"w": m} for m in ms], "ties", base={"w": base}, density=0.6)
     assert bits(merged["w"]) == bits(reference(base, ms, [1.0, 1.0], trim=0.6, consensus=True, normalize=True))
+    assert len(third) == 1
 
 
 def test_dare_is_the_same_whatever_the_chunks_and_keeps_about_density():

@@ -198,7 +198,7 @@ def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtyp
         stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
     def fill(start: int, stop: int, out) -> None:
-        with _scratch_buffers() as buffers:
+        with scratch_buffers() as buffers:
             fill_with(start, stop, out, *_typed(buffers, acc_dtype, in_dtype))
 
     def fill_with(start: int, stop: int, out, acc, tmp, raw) -> None:
@@ -232,13 +232,14 @@ _scratch = threading.local()
 
 
 @contextlib.contextmanager
-def _scratch_buffers() -> Iterator[list]:
-    """Three work buffers of SUB_CHUNK float64s, reused by this thread from chunk to
-    chunk (an average of averages nests: each level takes its own set)."""
+def scratch_buffers(count: int = 3) -> Iterator[list]:
+    """``count`` work buffers of SUB_CHUNK float64s (as bytes), reused by this thread from
+    chunk to chunk: fresh memory per step costs more than the arithmetic. (An average of
+    averages nests: each level takes its own set.)"""
     import numpy as np
 
-    free = _scratch.__dict__.setdefault("free", [])
-    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(3)]
+    free = _scratch.__dict__.setdefault(count, [])
+    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(count)]
     try:
         yield buffers
     finally:

@@ -19,14 +19,20 @@ dtype at the end; mergekit computes in the models' dtype. Leaves of other dtypes
 
 Streaming needs, per leaf, what mergekit reads off a whole tensor: SLERP one
 pass for the dot product and the norms; TIES the exact ``k``-th largest
-magnitude of each task vector, found by a radix select over the float32 bit
-patterns of ``|dᵢ|`` (mergekit ranks float32 magnitudes too): one pass histograms
-the high 16 bits, a second the low 16 bits inside the bin that holds the ``k``-th
-and records where that bin's values lie; when values equal to the ``k``-th straddle
-the cut, the first ones in element order are kept (mergekit's ``topk`` keeps an
-unspecified set), found from those records or, past 4M of them, by a third pass. DARE's coin flips come from a counter-based
-generator (SplitMix64's mixer) keyed by the seed, the leaf's key path and the model,
-at each element's offset: the same bytes whatever the chunk size or thread count.
+magnitude of each task vector, ranked as float32 bit patterns of ``|dᵢ|`` (mergekit
+ranks float32 magnitudes too). A leaf of up to 256K elements is read whole. A
+larger one is sampled (runs spread over the leaf, 256K elements in all), the
+sample's estimate of the ``k``-th largest widened to a range that holds it with
+near certainty, and one pass (on two threads) counts the keys above that range and
+records those inside it, among which the ``k``-th is found exactly. Where the sample
+misled (or too many keys fell inside, past 4M recorded per leaf), a radix select runs
+instead: one pass histograms the high 16 bits, a second the low 16 bits inside the
+bin that holds the ``k``-th. When values equal to the ``k``-th straddle the cut, the
+first ones in element order are kept (mergekit's ``topk`` keeps an unspecified set),
+found from what was recorded or, failing that, by a third pass. DARE's coin flips
+come from a counter-based generator (SplitMix64's mixer) keyed by the seed, the
+leaf's key path and the model, at each element's offset: the same bytes whatever
+the chunk size or thread count.
 """
 
 from __future__ import annotations
@@ -163,7 +169,7 @@ def merge(
         if ts.default is None and not ts.rules:
             raise UsageError(f"slerp needs {option('t', 'T')}: 0 gives the first model (the base), 1 the second")
 
-        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf]) -> _leaf.ComputedLeaf:
+        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], _: AverageReport) -> _leaf.ComputedLeaf:
             return _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text)
 
         return _merge_leaves(models, ([base_name] if base is not None else []) + names, non_float, interpolated,
@@ -182,87 +188,204 @@ def merge(
         raise UsageError(f"{method} keeps every element; {option('density', 'D')} is for ties and dare_*")
     normalize = spec.normalize if normalize is None else normalize
 
-    def merged(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf]) -> _leaf.ComputedLeaf:
+    def merged(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> _leaf.ComputedLeaf:
         return _task_leaf(leaves[0], leaves[1:], weights, spec, densities.value(kp), lambdas.value(kp),
-                          normalize, seed, text)
+                          normalize, seed, text, report)
 
     return _merge_leaves([base, *trees], [base_name, *names], non_float, merged, checked=[densities, lambdas])
 
 
 def _merge_leaves(trees: list[Any], names: list[str], non_float: str,
-                  merged: Callable[[tuple, str, list[_leaf.ArrayLeaf]], Any], checked: list[Scoped]
+                  merged: Callable[[tuple, str, list[_leaf.ArrayLeaf], AverageReport], Any], checked: list[Scoped]
                   ) -> tuple[Any, AverageReport]:
     """Compare structures before any data is read, then merge float leaves and copy the rest."""
-    return _average.combine_inputs(trees, names, non_float, lambda kp, text, leaves, _: merged(kp, text, leaves),
-                                   "merged", checks=[functools.partial(s.check_matches, trees[0]) for s in checked])
+    return _average.combine_inputs(trees, names, non_float, merged, "merged", checks=[functools.partial(s.check_matches, trees[0]) for s in checked])
 
 
 # --- task vectors: task arithmetic, TIES, DARE ---------------------------------------------------
 
 
+class _Space:
+    """One thread's scratch memory for the task kernel, as typed views for a block of
+    ``n`` elements (12 buffers of SUB_CHUNK float64s: 12 MiB a thread)."""
+
+    BUFFERS = 12
+
+    def __init__(self, buffers: list, n: int, in_dtype: Any):
+        import numpy as np
+
+        f64 = [b.view(np.float64)[:n] for b in buffers]
+        self.base, self.model = buffers[0].view(in_dtype)[:n], buffers[1].view(in_dtype)[:n]
+        self.base64, self.delta, self.total, self.magnitude, self.work = f64[2:7]
+        self.positive_weight, self.negative_weight = f64[7:9]  # the agreeing weights' sums, unequal weights
+        self.base_key = buffers[9].view(np.float32)[:n]  # the base in float32, for the keys of bf16/fp16 leaves
+        self.key = buffers[10].view(np.float32)[:n]
+        self.coins = (buffers[9].view(np.uint64), buffers[10].view(np.uint64))  # DARE's, which needs no keys
+        flags = buffers[11]  # eight SUB_CHUNK-byte slots
+        self.keep, self.flag = flags[:n].view(bool), flags[SUB_CHUNK : SUB_CHUNK + n].view(bool)
+        self.positive, self.negative, self.mask = (flags[j * SUB_CHUNK : j * SUB_CHUNK + n] for j in (2, 3, 4))
+
+
 def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: list[float], spec: Method,
-               density: float, scale: float, normalize: bool, seed: int, keypath: str) -> _leaf.ComputedLeaf:
+               density: float, scale: float, normalize: bool, seed: int, keypath: str,
+               report: AverageReport) -> _leaf.ComputedLeaf:
     import numpy as np
 
     sparse = spec.sparsify is not None and density < 1 and base.size > 0
     if sparse and spec.sparsify == "magnitude" and int(density * base.size) == 0:  # mergekit refuses it too
         raise UsageError(f"density {density} keeps no element of a leaf of {base.size}; raise it", keypath=keypath)
     trims = _Trims(base, models, density, keypath) if sparse and spec.sparsify == "magnitude" else None
-    out_dtype = base.dtype
+    in_dtype = base.dtype
     weight_sum = math.fsum(weights) if abs(math.fsum(weights)) >= 1e-8 else 1.0  # mergekit's guard
+    # With equal weights the divisor is the weight times a count of agreeing models, kept in bytes.
+    counted = len(set(weights)) == 1 and len(weights) < 256
 
-    def fill(start: int, stop: int, out) -> None:
-        # In place wherever it can be: each full-length pass over a block costs as much as reading it.
-        b = base.read_flat(start, stop).astype(np.float64)
-        mixed = np.zeros(stop - start)
-        total = np.zeros(stop - start) if spec.consensus else None
-        weighted = []
+    def block(start: int, stop: int, out, space: _Space) -> None:
+        # Every full-length step costs about as much as reading the block: the fewest steps,
+        # all into this thread's buffers (fresh memory per step cost more than all the arithmetic).
+        b, b64, d, total = space.base, space.base64, space.delta, space.total
+        base.read_into(start, stop, b)
+        np.copyto(b64, b)
+        base_key = _key_base(b, space) if trims is not None else None
         for i, (model, w) in enumerate(zip(models, weights)):
-            delta = model.read_flat(start, stop).astype(np.float64)
-            delta -= b
+            m = space.model
+            model.read_into(start, stop, m)
+            np.subtract(m, b64, out=d)  # exact: the difference of two floats of up to 32 bits
             if trims is not None:
-                delta *= trims.keep(i, start, stop, delta)
+                d *= trims.keep(i, start, stop, _magnitude_keys(m, base_key, space), space.keep)
             elif sparse:
-                delta *= dare_keep(seed, keypath, i, start, stop, density)
+                d *= dare_keep(seed, keypath, i, start, stop, density, out=space.keep, work=space.coins)
                 if spec.rescale:
-                    delta /= density
+                    d /= density
             if w != 1:
-                delta *= w
-            if total is None:
-                mixed += delta
+                d *= w
+            if i == 0:
+                np.copyto(total, d)
             else:
-                total += delta
-                weighted.append(delta)
-        if total is not None:
-            # The elected sign is + where the weighted sum is >= 0. Multiplied by it, a weighted
-            # delta that agrees is > 0; fmax drops the rest (zeros and NaNs agree with neither).
-            sign = np.where(total >= 0, 1.0, -1.0)
-            divisor = np.zeros(stop - start) if normalize else None
-            for wd, w in zip(weighted, weights):
-                wd *= sign
-                np.fmax(wd, 0.0, out=wd)
-                mixed += wd
-                if divisor is not None:
-                    divisor += (wd > 0) * w
-            mixed *= sign
-            if divisor is not None:
-                divisor[divisor == 0] = 1
-                mixed /= divisor
-        elif normalize:
-            mixed /= weight_sum
+                total += d
+            if spec.consensus:
+                _tally(d, w, i == 0, counted, space)
+        if spec.consensus:
+            mixed = _elected(space, weights[0] if counted else None, normalize)
+        else:
+            mixed = total
+            if normalize:
+                mixed /= weight_sum
         if scale != 1:
             mixed *= scale
-        mixed += b
-        out[...] = mixed
+        mixed += b64
+        finite = np.isfinite(mixed, out=space.flag)
+        if not finite.all():
+            with report._lock:
+                report.nonfinite_outputs[keypath] = (report.nonfinite_outputs.get(keypath, 0)
+                                                     + finite.size - int(np.count_nonzero(finite)))
+        out[...] = mixed  # round to nearest even into the leaf's dtype
+
+    def fill(start: int, stop: int, out) -> None:
+        with _average.scratch_buffers(_Space.BUFFERS) as buffers:
+            for s in range(start, stop, SUB_CHUNK):
+                e = min(stop, s + SUB_CHUNK)
+                block(s, e, out[s - start : e - start], _Space(buffers, e - s, in_dtype))
 
     def fill_chunk(start: int, stop: int, out) -> None:
+        if trims is not None:
+            trims.select()  # here, on two threads, before any block waits for it
         stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
-    return _leaf.ComputedLeaf(base.shape, out_dtype, fill=fill_chunk)
+    return _leaf.ComputedLeaf(base.shape, in_dtype, fill=fill_chunk)
 
 
-def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float):
-    """DARE's keep mask for elements ``[start, stop)`` of one model's task vector.
+def _tally(d, w: float, first: bool, counted: bool, space: _Space) -> None:
+    """Adds one weighted delta to the consensus sums: ``Σ|wᵢdᵢ|`` and, for the divisor, which
+    models are positive and which negative (counts, or summed weights when they differ)."""
+    import numpy as np
+
+    if first:
+        np.abs(d, out=space.magnitude)
+    else:
+        np.abs(d, out=space.work)
+        space.magnitude += space.work
+    for sign, counts, weight_sums in ((np.greater, space.positive, space.positive_weight),
+                                      (np.less, space.negative, space.negative_weight)):
+        sign(d, 0, out=space.flag)
+        if counted:
+            if first:
+                np.copyto(counts, space.flag.view(np.uint8))
+            else:
+                counts += space.flag.view(np.uint8)
+        else:
+            np.multiply(space.flag, w, out=space.work)
+            if first:
+                np.copyto(weight_sums, space.work)
+            else:
+                weight_sums += space.work
+
+
+def _elected(space: _Space, weight: float | None, normalize: bool):
+    """The sum of the weighted deltas that agree with the elected sign (``+`` where
+    ``Σ wᵢdᵢ ≥ 0``), divided by their weights when normalizing: in ``space.total``.
+
+    With ``P`` the sum of the positive deltas and ``N`` of the negative ones, the total is
+    ``P + N`` and ``Σ|wᵢdᵢ| = P − N``, so the elected side is ``(total ± Σ|wᵢdᵢ|) / 2``:
+    two steps instead of a pass per model, and without cancellation (the two terms share a sign).
+    """
+    import numpy as np
+
+    total, magnitude, negative = space.total, space.magnitude, space.flag
+    np.less(total, 0, out=negative)
+    total += 0.0  # -0.0 elects + (``>= 0``), so copysign must see +0.0
+    np.copysign(magnitude, total, out=magnitude)
+    total += magnitude
+    total *= 0.5
+    if not normalize:
+        return total
+    if weight is not None:
+        # counts: the negative ones where the elected sign is -, else the positive ones (byte masks)
+        np.negative(negative.view(np.uint8), out=space.mask)
+        np.bitwise_xor(space.negative, space.positive, out=space.negative)
+        space.negative &= space.mask
+        space.positive ^= space.negative
+        np.maximum(space.positive, 1, out=space.positive)  # no agreeing model: divide by 1, as mergekit
+        total /= space.positive
+        if weight != 1:
+            total /= weight
+        return total
+    divisor, other = space.positive_weight, space.negative_weight
+    other -= divisor
+    other *= negative
+    divisor += other
+    np.equal(divisor, 0, out=negative)
+    if negative.any():
+        divisor[negative] = 1
+    total /= divisor
+    return total
+
+
+def _magnitude_keys(model, base, space: _Space):
+    """``|model − base|`` rounded once to float32, as bit patterns with the sign cleared:
+    ordered as the magnitudes (NaN above Inf), mergekit's ranking in float32. Inputs of up
+    to 32 bits are subtracted in float32, which rounds the exact difference once; float64
+    ones in float64 first. The selection passes and the output pass share this function,
+    so they rank alike. ``base`` is ``_key_base``'s."""
+    import numpy as np
+
+    key = space.key
+    if base.dtype.itemsize > 4:
+        np.subtract(model, base, out=space.work)
+        with np.errstate(over="ignore"):
+            np.copyto(key, space.work, casting="unsafe")
+    else:
+        np.subtract(model, base, out=key, dtype=np.float32)
+    keys = key.view(np.uint32)
+    np.bitwise_and(keys, 0x7FFFFFFF, out=keys)
+    return keys
+
+
+def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float, *, out=None,
+              work=None):
+    """DARE's keep mask for elements ``[start, stop)`` of one model's task vector (into
+    ``out`` if given, working in ``work``: two uint64 arrays of ``(stop - start) / 2 + 1``
+    words or more).
 
     Counter-based: elements ``2j`` and ``2j + 1`` take the low and high 32 bits of
     SplitMix64's output for the state ``key + (j + 1) * golden``, the key hashed from
@@ -271,62 +394,160 @@ def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, densit
     import numpy as np
 
     key = int.from_bytes(hashlib.blake2b(f"{seed}\0{keypath}\0{model}".encode(), digest_size=8).digest(), "little")
+    first, last = start // 2 + 1, (stop + 1) // 2 + 1
+    z, shifted = (np.empty(last - first, np.uint64) for _ in range(2)) if work is None else (
+        w[: last - first] for w in work)
+    np.add(_counters(last - first), np.uint64(first), out=z)
     with np.errstate(over="ignore"):
-        z = np.arange(start // 2 + 1, (stop + 1) // 2 + 1, dtype=np.uint64)
         z *= np.uint64(0x9E3779B97F4A7C15)
         z += np.uint64(key)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+            np.right_shift(z, np.uint64(shift), out=shifted)
+            z ^= shifted
+            if factor:
+                z *= np.uint64(factor)
     coins = z.view("<u4")[start % 2 : start % 2 + stop - start]
-    return coins < np.uint32(min(2**32 - 1, int(density * 2**32)))
+    return np.less(coins, np.uint32(min(2**32 - 1, int(density * 2**32))), out=out)
+
+
+@functools.lru_cache(maxsize=1)
+def _iota(count: int):
+    import numpy as np
+
+    return np.arange(count, dtype=np.uint64)
+
+
+def _counters(count: int):
+    """``0, 1, ..., count - 1`` as uint64, from one array made once per size class."""
+    return _iota(max(count, SUB_CHUNK // 2 + 1))[:count]
 
 
 class _Trims:
     """TIES' trim of each task vector of one leaf: which elements are among the ``k``
-    largest magnitudes, found on first use by streaming passes (module docstring)."""
+    largest magnitudes. Found on first use (see the module's docstring): an estimate from
+    a sample, one pass that counts what lies above it and records what lies near it, and
+    the radix passes for a model whose sample misled it."""
 
-    # Pass B keeps the (offset, low bits) of the elements in the bin that holds the cut,
-    # up to this many per leaf, so that ties at the cut need no third pass.
+    SAMPLE = 1 << 18  # elements per model the estimate is drawn from; a leaf this small is read whole
+    SAMPLE_RUN = 8192  # contiguous elements per sampled piece
+    # (offset, key) pairs recorded per leaf: those near the estimate, or in the radix cut's bin.
     MAX_RECORDED = 1 << 22
 
     def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], density: float, keypath: str):
         self._base, self._models, self._keypath = base, models, keypath
         self._k = int(density * base.size)
         self._lock = threading.Lock()
-        self._cuts: list[tuple[int, int | None]] | None = None  # per model: (threshold bits, cut offset)
+        self._cuts: list[tuple[int, int | None]] | None = None  # per model: (threshold key, cut offset)
 
-    def keep(self, model: int, start: int, stop: int, delta) -> Any:
+    def keep(self, model: int, start: int, stop: int, keys, out):
+        """Into ``out``: which of elements ``[start, stop)`` (their ``keys``) survive the trim."""
+        import numpy as np
+
+        threshold, cut = self.select()[model]
+        if cut is None or cut >= stop:
+            return np.greater_equal(keys, threshold, out=out)
+        split = max(0, cut - start)  # of the keys equal to the threshold, those from the cut on go
+        np.greater_equal(keys[:split], threshold, out=out[:split])
+        np.greater(keys[split:], threshold, out=out[split:])
+        return out
+
+    def select(self) -> list[tuple[int, int | None]]:
+        """Each model's (threshold key, cut offset), found on the first call."""
         with self._lock:
             if self._cuts is None:
                 self._cuts = self._select()
-        threshold, cut = self._cuts[model]
-        keys = _magnitude_bits(delta)
-        keep = keys >= threshold
-        if cut is not None and cut < stop:  # of the values equal to the threshold, those from cut on go
-            tail = keep[max(0, cut - start):]
-            tail &= keys[max(0, cut - start):] > threshold
-        return keep
+            return self._cuts
 
     def _select(self) -> list[tuple[int, int | None]]:
         import numpy as np
 
-        n = len(self._models)
-        high = [np.zeros(1 << 16, np.int64) for _ in range(n)]
+        size, models = self._base.size, range(len(self._models))
+        if size <= self.SAMPLE:
+            whole = self._sample(whole=True)
+            return [_kth_largest(whole[i], np.arange(size), self._k) for i in models]
+        bounds = [_bounds(sample, self._k, size) for sample in self._sample(whole=False)]
+        found = self._count_near(bounds)
+        missed = [i for i in models if found[i] is None]
+        if missed:
+            for i, cut in zip(missed, self._radix(missed)):
+                found[i] = cut
+        return found
 
-        def high_pass(i: int, keys, start: int) -> None:
+    def _sample(self, whole: bool) -> list:
+        """Each model's keys, in element order: all of them, or runs of SAMPLE_RUN spread
+        evenly to make about SAMPLE."""
+        import numpy as np
+
+        size = self._base.size
+        if whole:
+            ranges = self._blocks()
+        else:
+            step = self.SAMPLE_RUN * -(-size // self.SAMPLE)
+            ranges = [(s, min(size, s + self.SAMPLE_RUN)) for s in range(0, size, step)]
+        pieces: list[list] = [[] for _ in self._models]
+        self._scan(ranges, range(len(self._models)), lambda i, keys, start, _: pieces[i].append(keys.copy()))
+        return [np.concatenate(p) for p in pieces]
+
+    def _count_near(self, bounds: list[tuple[int, int]]) -> list[tuple[int, int | None] | None]:
+        """One pass, on two threads: per model, how many keys lie at or above its bounds'
+        ``high`` and which (offset, key) lie in ``[low, high)``; the threshold and cut when
+        the ``k``-th largest is among those, else ``None``."""
+        import numpy as np
+
+        count = len(self._models)
+        above = [0] * count
+        near: list[list | None] = [[] for _ in range(count)]  # (start, offsets, keys) per block
+        room = [self.MAX_RECORDED // count] * count
+        lock = threading.Lock()
+
+        def visit(i: int, keys, start: int, space: _Space) -> None:
+            low, high = bounds[i]
+            flag = space.flag
+            more = int(np.count_nonzero(np.greater_equal(keys, high, out=flag)))
+            keys -= np.uint32(low)  # wraps below low: one comparison finds [low, high)
+            inside = np.flatnonzero(np.less(keys, np.uint32(high - low), out=flag))
+            with lock:
+                above[i] += more
+                room[i] -= inside.size
+                if room[i] < 0:
+                    near[i] = None
+                elif near[i] is not None:
+                    near[i].append((start, inside + start, keys[inside] + np.uint32(low)))
+
+        self._scan(self._blocks(), range(count), visit, parallel=True)
+        found: list[tuple[int, int | None] | None] = []
+        for i in range(count):
+            wanted = self._k - above[i]  # how many of the near keys are kept
+            pieces = sorted(near[i] or [], key=lambda piece: piece[0])  # in element order
+            if not pieces or not 0 < wanted <= sum(k.size for _, _, k in pieces):
+                found.append(None)
+                continue
+            offsets = np.concatenate([o for _, o, _ in pieces])
+            found.append(_kth_largest(np.concatenate([k for _, _, k in pieces]), offsets, wanted))
+        return found
+
+    def _radix(self, which: list[int]) -> list[tuple[int, int | None]]:
+        """The exact threshold and cut of the given models, whatever their keys: one pass
+        histograms the keys' high 16 bits, a second the low 16 bits inside the bin that
+        holds the ``k``-th largest, recording where that bin's keys lie; a third finds the
+        cut when too many were in it to record."""
+        import numpy as np
+
+        count = len(self._models)
+        blocks = self._blocks()
+        high = {i: np.zeros(1 << 16, np.int64) for i in which}
+
+        def high_pass(i: int, keys, start: int, _: _Space) -> None:
             # The high halves as uint16: bincount of uint32 values ran 4x slower here.
             high[i] += np.bincount((keys >> 16).astype(np.uint16), minlength=1 << 16)
 
-        self._scan(high_pass)
-        bins = [_kth_bin(h, self._k) for h in high]  # (bin, count above it)
-        low = [np.zeros(1 << 16, np.int64) for _ in range(n)]
-        recorded: list[list | None] = [[] for _ in range(n)]  # (offsets, low bits) inside the bin
-        room = [self.MAX_RECORDED // n] * n
+        self._scan(blocks, which, high_pass)
+        bins = {i: _kth_bin(high[i], self._k) for i in which}  # (bin, count above it)
+        low = {i: np.zeros(1 << 16, np.int64) for i in which}
+        recorded: dict[int, list | None] = {i: [] for i in which}  # (offsets, low bits) inside the bin
+        room = {i: self.MAX_RECORDED // count for i in which}
 
-        def low_pass(i: int, keys, start: int) -> None:
+        def low_pass(i: int, keys, start: int, _: _Space) -> None:
             inside = np.flatnonzero((keys >> 16) == bins[i][0])
             bits = (keys[inside] & 0xFFFF).astype(np.uint16)
             low[i] += np.bincount(bits, minlength=1 << 16)
@@ -336,31 +557,31 @@ class _Trims:
             elif recorded[i] is not None:
                 recorded[i].append((inside + start, bits))
 
-        self._scan(low_pass)
-        cuts, needed = [], []
-        for i in range(n):
+        self._scan(blocks, which, low_pass)
+        cuts, needed = {}, {}
+        for i in which:
             lo, above_lo = _kth_bin(low[i], self._k - bins[i][1])
             threshold = (bins[i][0] << 16) | lo
-            take = self._k - bins[i][1] - above_lo  # how many values equal to the threshold are kept
+            take = self._k - bins[i][1] - above_lo  # how many keys equal to the threshold are kept
             cut = None
             if take < low[i][lo] and recorded[i] is not None:
                 offsets = np.concatenate([o for o, _ in recorded[i]])
                 bits = np.concatenate([b for _, b in recorded[i]])
-                cut = int(offsets[bits == lo][take])  # the first value equal to the threshold not kept
-            cuts.append([threshold, cut])
-            needed.append(take if take < low[i][lo] and recorded[i] is None else 0)
-        if any(needed):
-            self._find_cuts(cuts, needed)
-        return [(int(threshold), cut) for threshold, cut in cuts]
+                cut = int(offsets[bits == lo][take])  # the first key equal to the threshold not kept
+            cuts[i] = [threshold, cut]
+            needed[i] = take if take < low[i][lo] and recorded[i] is None else 0
+        if any(needed.values()):
+            self._find_cuts(blocks, cuts, needed)
+        return [(int(cuts[i][0]), cuts[i][1]) for i in which]
 
-    def _find_cuts(self, cuts: list, needed: list[int]) -> None:
-        """A third pass, when the bin at the cut held too many values to record: where, in
-        element order, the first value equal to the threshold that is not kept lies."""
+    def _find_cuts(self, blocks: list, cuts: dict, needed: dict) -> None:
+        """A third pass, when the bin at the cut held too many keys to record: where, in
+        element order, the first key equal to the threshold that is not kept lies."""
         import numpy as np
 
-        seen = [0] * len(needed)
+        seen = dict.fromkeys(needed, 0)
 
-        def tie_pass(i: int, keys, start: int) -> None:
+        def tie_pass(i: int, keys, start: int, _: _Space) -> None:
             if not needed[i] or cuts[i][1] is not None:
                 return
             ties = np.flatnonzero(keys == cuts[i][0])
@@ -368,27 +589,75 @@ class _Trims:
                 cuts[i][1] = start + int(ties[needed[i] - seen[i]])
             seen[i] += len(ties)
 
-        self._scan(tie_pass)
+        self._scan(blocks, [i for i in needed if needed[i]], tie_pass)
 
-    def _scan(self, visit: Callable[[int, Any, int], None]) -> None:
-        """One pass over the leaf in order: ``visit(model, magnitude bits, start)`` per block.
-        (Two threads taking blocks in turn were no faster: bincount holds the GIL.)"""
-        import numpy as np
+    def _blocks(self) -> list[tuple[int, int]]:
+        size = self._base.size
+        return [(s, min(size, s + SUB_CHUNK)) for s in range(0, size, SUB_CHUNK)]
 
-        wide = self._base.dtype.itemsize > 4
-        for start in range(0, self._base.size, SUB_CHUNK):
-            stop = min(self._base.size, start + SUB_CHUNK)
-            b = self._base.read_flat(start, stop).astype(np.float64 if wide else np.float32)
-            for i, model in enumerate(self._models):
-                # Up to float32 inputs the float32 difference is float32(|exact difference|): the same keys.
-                visit(i, _magnitude_bits(np.subtract(model.read_flat(start, stop), b, dtype=b.dtype)), start)
+    def _scan(self, ranges: list[tuple[int, int]], which, visit: Callable[[int, Any, int, _Space], None],
+              parallel: bool = False) -> None:
+        """A pass over ``ranges`` of the leaf: ``visit(model, keys, start, space)`` for each of
+        the models ``which``, their keys in a buffer reused for the next. In element order
+        unless ``parallel``, when two threads take ranges in turn (the radix passes run on
+        one: bincount holds the GIL)."""
+
+        def scan(bounds: tuple[int, int]) -> None:
+            start, stop = bounds
+            with _average.scratch_buffers(_Space.BUFFERS) as buffers:
+                space = _Space(buffers, stop - start, self._base.dtype)
+                self._base.read_into(start, stop, space.base)
+                base_key = _key_base(space.base, space)
+                for i in which:
+                    self._models[i].read_into(start, stop, space.model)
+                    visit(i, _magnitude_keys(space.model, base_key, space), start, space)
+
+        if parallel:
+            stream.each_on_two_threads(scan, ranges)
+        else:
+            for bounds in ranges:
+                scan(bounds)
 
 
-def _magnitude_bits(delta):
-    """``|delta|`` as float32 bit patterns: for non-negative floats, ordered as the values."""
+def _bounds(sample, k: int, size: int) -> tuple[int, int]:
+    """Keys ``[low, high)`` that hold the ``k``-th largest of ``size`` with near certainty,
+    from a sample of them: its rank in the sample, give or take eight binomial standard
+    deviations and a little more, so that a sample drawn from rows that differ still holds
+    it nearly always (the radix passes catch the rest)."""
     import numpy as np
 
-    return np.abs(delta).astype(np.float32, copy=False).view(np.uint32)
+    n = sample.size
+    share = k / size
+    rank = share * n  # the k-th largest's expected rank from the top, in the sample
+    margin = 8 * math.sqrt(n * share * (1 - share)) + n / 2000 + 16
+    top, bottom = math.floor(rank - margin), math.ceil(rank + margin)
+    wanted = sorted({n - rank for rank, inside in ((top, top >= 1), (bottom, bottom <= n)) if inside})
+    ordered = np.partition(sample, wanted) if wanted else sample
+    high = int(ordered[n - top]) + 1 if top >= 1 else 1 << 31  # keys never reach 2**31: the sign is cleared
+    low = int(ordered[n - bottom]) if bottom <= n else 0
+    return low, high
+
+
+def _kth_largest(keys, offsets, k: int) -> tuple[int, int | None]:
+    """The ``k``-th largest of ``keys`` (at ``offsets``, in element order) and the offset of
+    the first key equal to it that is not kept (``None`` when every one is): the first ones
+    in element order are kept (mergekit's ``topk`` keeps an unspecified set)."""
+    import numpy as np
+
+    threshold = int(np.partition(keys, keys.size - k)[keys.size - k])
+    take = k - int(np.count_nonzero(keys > threshold))
+    equal = np.flatnonzero(keys == threshold)
+    return threshold, (int(offsets[equal[take]]) if take < equal.size else None)
+
+
+def _key_base(base, space: _Space):
+    """The base as the keys subtract it: itself, or in float32 for bf16/fp16."""
+    import numpy as np
+
+    if base.dtype.itemsize >= 4:
+        return base
+    np.copyto(space.base_key, base)
+    return space.base_key
 
 
 def _kth_bin(histogram, k: int) -> tuple[int, int]:

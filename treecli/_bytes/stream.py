@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future, wait
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from treecli._errors import TreecliError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
@@ -146,26 +146,44 @@ def on_two_threads(fill: Callable[[int, int, Any], None], start: int, stop: int,
     Not two fixed halves: the writer and the kernel's writeback share the two
     cores, so one half often finished 0.5 s (a fifth of the run) before the other.
     """
-    # On the helper itself (a computed leaf read by another's fill), waiting for a
-    # second task of its one-thread pool would wait forever.
-    if stop - start < 2 * block or _on_pool_thread("half"):
+    if stop - start < 2 * block:
         fill(start, stop, out)
         return
-    blocks = iter(range(start, stop, block))  # next() on it is atomic under the GIL
+
+    def fill_block(s: int) -> None:
+        e = min(stop, s + block)
+        fill(s, e, out[s - start : e - start])
+
+    each_on_two_threads(fill_block, range(start, stop, block))
+
+
+def each_on_two_threads(visit: Callable[[Any], None], items: Sequence[Any]) -> None:
+    """``visit(item)`` for each item, on this thread and a helper, each taking the next
+    item when it is free; returns when all are done, raising the first failure."""
+    # On the helper itself (a computed leaf read by another's fill), waiting for a
+    # second task of its one-thread pool would wait forever.
+    if _on_pool_thread("half"):
+        for item in items:
+            visit(item)
+        return
+    shared = iter(items)  # next() on a sequence's iterator is atomic under the GIL (a generator's is not)
 
     def work() -> None:
-        for s in blocks:
-            e = min(stop, s + block)
-            fill(s, e, out[s - start : e - start])
+        for item in shared:
+            visit(item)
 
     future = _pool("half").submit(work)
     try:
         work()
     except BaseException:
-        collections.deque(blocks, maxlen=0)  # let the helper stop early
+        collections.deque(shared, maxlen=0)  # let the helper stop early
+        future.cancel()
         wait([future])  # never leave it writing into a buffer the caller reuses
         raise
-    future.result()
+    # A helper that has not started is not waited for: it may be busy with a block that
+    # waits on a lock this thread holds (a TIES selection, run on first use).
+    if not future.cancel():
+        future.result()
 
 
 # Data written since the last hint, before the kernel is asked to start writing it
