@@ -205,6 +205,33 @@ def test_slerp_matches_the_reference_on_random_bf16_leaves():
     assert bits(merged["w"]) == bits(want.astype(BF16).reshape(base.shape))
 
 
+def test_slerp_of_a_leaf_over_many_blocks_is_the_reference_and_the_same_every_time():
+    base, (other,) = models(np.float32, shape=(3 * SUB_CHUNK + 17,), count=1, seed=6)
+    runs = [np.asarray(treecli.merge([{"w": other}], "slerp", base={"w": base}, t=0.3)[0]["w"]) for _ in range(3)]
+    v0, v1 = base.astype(np.float64), other.astype(np.float64)
+    theta = math.acos((v0 @ v1) / (np.linalg.norm(v0) * np.linalg.norm(v1)))
+    want = math.sin(0.7 * theta) / math.sin(theta) * v0 + math.sin(0.3 * theta) / math.sin(theta) * v1
+    np.testing.assert_allclose(runs[0], want, rtol=1e-6, atol=1e-7)
+    assert bits(runs[0]) == bits(runs[1]) == bits(runs[2])
+
+
+@pytest.mark.parametrize("method, options", [("ties", {"density": 0.5}), ("task_arithmetic", {}),
+                                             ("slerp", {"t": 0.5})])
+def test_non_finite_values_are_reported_with_their_key_path(method, options, cli, tmp_path):
+    base, ms = models(np.float32, count=1 if method == "slerp" else 2)
+    ms[0][3, 4] = np.nan
+    merged, report = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, **options)
+    assert np.isnan(np.asarray(merged["w"])[3, 4])
+    assert any(line.startswith("w:") for line in report.warnings()), report.warnings()
+    treecli.save({"w": base}, tmp_path / "base.safetensors")
+    treecli.save({"w": ms[0]}, tmp_path / "a.safetensors")
+    flags = [f"--{k}={v}" for k, v in options.items()]
+    result = cli("merge", "--method", method, "--base", tmp_path / "base.safetensors", tmp_path / "a.safetensors",
+                 *flags, "-o", tmp_path / "out.safetensors")
+    assert result.code == 0, result.stderr
+    assert "warning: w: " in result.stderr and "non-finite values in the output" in result.stderr
+
+
 def test_rules_scope_parameters_to_subtrees():
     base, ms = models(np.float32, count=2)
     tree = lambda x: {"mlp": {"w": x}, "attn": {"w": x}}  # noqa: E731

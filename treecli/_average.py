@@ -139,7 +139,7 @@ def average(
     convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
 
     def averaged(keypath: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> Any:
-        return _averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
+        return averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
 
     return combine_inputs(trees, names, non_float, averaged, "averaged")
 
@@ -183,7 +183,7 @@ def combine_inputs(trees: list[Any], names: list[str], non_float: str,
     return result, report
 
 
-def _averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,
+def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,
                    names: list[str], report: AverageReport, convex: bool) -> _leaf.ComputedLeaf:
     import numpy as np
 

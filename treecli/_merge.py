@@ -20,8 +20,8 @@ dtype at the end; mergekit computes in the models' dtype. Leaves of other dtypes
 Streaming needs, per leaf, what mergekit reads off a whole tensor: SLERP one
 pass for the dot product and the norms; TIES the exact ``k``-th largest
 magnitude of each task vector, ranked as float32 bit patterns of ``|dᵢ|`` (mergekit
-ranks float32 magnitudes too). A leaf of up to 256K elements is read whole. A
-larger one is sampled (runs spread over the leaf, 256K elements in all), the
+ranks float32 magnitudes too). A leaf of up to 64K elements is read whole. A
+larger one is sampled (runs spread over the leaf, 1/128 of it, 64K to 1M), the
 sample's estimate of the ``k``-th largest widened to a range that holds it with
 near certainty, and one pass (on two threads) counts the keys above that range and
 records those inside it, among which the ``k``-th is found exactly. Where the sample
@@ -169,11 +169,13 @@ def merge(
         if ts.default is None and not ts.rules:
             raise UsageError(f"slerp needs {option('t', 'T')}: 0 gives the first model (the base), 1 the second")
 
-        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], _: AverageReport) -> _leaf.ComputedLeaf:
-            return _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text)
+        models_names = ([base_name] if base is not None else []) + names
 
-        return _merge_leaves(models, ([base_name] if base is not None else []) + names, non_float, interpolated,
-                             checked=[ts])
+        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport
+                         ) -> _leaf.ComputedLeaf:
+            return _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text, models_names, report)
+
+        return _merge_leaves(models, models_names, non_float, interpolated, checked=[ts])
     if base is None:
         raise UsageError(f"{method} merges task vectors (model - base): give {option('base', 'BASE')}")
     if not trees:
@@ -428,8 +430,11 @@ class _Trims:
     a sample, one pass that counts what lies above it and records what lies near it, and
     the radix passes for a model whose sample misled it."""
 
-    SAMPLE = 1 << 18  # elements per model the estimate is drawn from; a leaf this small is read whole
-    SAMPLE_RUN = 8192  # contiguous elements per sampled piece
+    # Elements per model the estimate is drawn from: a leaf this small is read whole, a larger
+    # one sampled at 1/128 of its size, within [SAMPLE, 16 * SAMPLE]. (A sample's cost is in its
+    # partition, 0.7 ms for 64K keys; the range it gives holds about 8 / sqrt(sample) of the keys.)
+    SAMPLE = 1 << 16
+    SAMPLE_RUN = 4096  # contiguous elements per sampled piece
     # (offset, key) pairs recorded per leaf: those near the estimate, or in the radix cut's bin.
     MAX_RECORDED = 1 << 22
 
@@ -475,14 +480,15 @@ class _Trims:
 
     def _sample(self, whole: bool) -> list:
         """Each model's keys, in element order: all of them, or runs of SAMPLE_RUN spread
-        evenly to make about SAMPLE."""
+        evenly over the leaf (see SAMPLE)."""
         import numpy as np
 
         size = self._base.size
         if whole:
             ranges = self._blocks()
         else:
-            step = self.SAMPLE_RUN * -(-size // self.SAMPLE)
+            wanted = min(16 * self.SAMPLE, max(self.SAMPLE, size // 128))
+            step = self.SAMPLE_RUN * -(-size // wanted)
             ranges = [(s, min(size, s + self.SAMPLE_RUN)) for s in range(0, size, step)]
         pieces: list[list] = [[] for _ in self._models]
         self._scan(ranges, range(len(self._models)), lambda i, keys, start, _: pieces[i].append(keys.copy()))
@@ -621,7 +627,7 @@ class _Trims:
 
 def _bounds(sample, k: int, size: int) -> tuple[int, int]:
     """Keys ``[low, high)`` that hold the ``k``-th largest of ``size`` with near certainty,
-    from a sample of them: its rank in the sample, give or take eight binomial standard
+    from a sample of them: its rank in the sample, give or take six binomial standard
     deviations and a little more, so that a sample drawn from rows that differ still holds
     it nearly always (the radix passes catch the rest)."""
     import numpy as np
@@ -629,7 +635,7 @@ def _bounds(sample, k: int, size: int) -> tuple[int, int]:
     n = sample.size
     share = k / size
     rank = share * n  # the k-th largest's expected rank from the top, in the sample
-    margin = 8 * math.sqrt(n * share * (1 - share)) + n / 2000 + 16
+    margin = 6 * math.sqrt(n * share * (1 - share)) + n / 2000 + 16
     top, bottom = math.floor(rank - margin), math.ceil(rank + margin)
     wanted = sorted({n - rank for rank, inside in ((top, top >= 1), (bottom, bottom <= n)) if inside})
     ordered = np.partition(sample, wanted) if wanted else sample
@@ -674,7 +680,8 @@ def _kth_bin(histogram, k: int) -> tuple[int, int]:
 # --- SLERP ---------------------------------------------------------------------------------------
 
 
-def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypath: str) -> _leaf.ComputedLeaf:
+def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypath: str, names: list[str],
+                report: AverageReport) -> _leaf.ComputedLeaf:
     import numpy as np
 
     if t is None:
@@ -682,33 +689,34 @@ def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypa
                          keypath=keypath)
 
     lock = threading.Lock()
-    factors: list[tuple[float, float]] = []
+    interpolated: list[_leaf.ComputedLeaf] = []
+    partials: dict[int, tuple[float, float, float]] = {}
 
-    def sums(thread: int, totals: list[float]) -> None:
-        """Dot product and squared norms over every other block (two threads: the BLAS
-        calls let go of the GIL)."""
-        for start in range(thread * SUB_CHUNK, v0.size, 2 * SUB_CHUNK):
-            stop = min(v0.size, start + SUB_CHUNK)
-            a = v0.read_flat(start, stop).astype(np.float64)
-            b = v1.read_flat(start, stop).astype(np.float64)
-            totals[0] += float(a @ b)
-            totals[1] += float(a @ a)
-            totals[2] += float(b @ b)
+    def add_block(start: int) -> None:
+        """The dot product and squared norms of one block, in float64 (BLAS lets go of the GIL)."""
+        stop = min(v0.size, start + SUB_CHUNK)
+        with _average.scratch_buffers() as buffers:
+            raw = buffers[0].view(v0.dtype)[: stop - start]
+            a, b = (buffer.view(np.float64)[: stop - start] for buffer in buffers[1:])
+            v0.read_into(start, stop, raw)
+            np.copyto(a, raw)
+            v1.read_into(start, stop, raw)
+            np.copyto(b, raw)
+            partials[start] = (float(a @ b), float(a @ a), float(b @ b))
 
-    def coefficients() -> tuple[float, float]:
+    def leaf() -> _leaf.ComputedLeaf:
+        """The weighted sum of the two models, its weights from a first pass over both."""
         with lock:
-            if not factors:
-                halves = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-                stream.in_flight([lambda: sums(0, halves[0]), lambda: sums(1, halves[1])])
-                dot, norm0, norm1 = (x + y for x, y in zip(*halves))
-                factors.append(_slerp_factors(t, dot, math.sqrt(norm0), math.sqrt(norm1)))
-        return factors[0]
+            if not interpolated:
+                stream.each_on_two_threads(add_block, range(0, v0.size, SUB_CHUNK))
+                # summed in block order: the same bytes whatever thread did which block
+                dot, norm0, norm1 = (math.fsum(partials[s][j] for s in sorted(partials)) for j in range(3))
+                s0, s1 = _slerp_factors(t, dot, math.sqrt(norm0), math.sqrt(norm1))
+                interpolated.append(_average.averaged_leaf([v0, v1], [s0, s1], v0.dtype_name, keypath, names,
+                                                            report, convex=False))
+        return interpolated[0]
 
-    def fill(start: int, stop: int, out) -> None:
-        s0, s1 = coefficients()
-        out[...] = s0 * v0.read_flat(start, stop).astype(np.float64) + s1 * v1.read_flat(start, stop)
-
-    return _leaf.ComputedLeaf(v0.shape, v0.dtype, fill=fill)
+    return _leaf.ComputedLeaf(v0.shape, v0.dtype, fill=lambda start, stop, out: leaf().read_into(start, stop, out))
 
 
 def _slerp_factors(t: float, dot: float, norm0: float, norm1: float) -> tuple[float, float]:
