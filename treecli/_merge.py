@@ -252,7 +252,8 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
         for i, (model, w) in enumerate(zip(models, weights)):
             m = space.model
             model.read_into(start, stop, m)
-            np.subtract(m, b64, out=d)  # exact: the difference of two floats of up to 32 bits
+            np.copyto(d, m)  # (widening first, then subtracting, beat one mixed-type subtract: 61 vs 76 µs)
+            d -= b64  # exact: the difference of two floats of up to 32 bits
             if trims is not None:
                 d *= trims.keep(i, start, stop, _magnitude_keys(m, base_key, space), space.keep)
             elif sparse:
