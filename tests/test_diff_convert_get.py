@@ -40,6 +40,22 @@ def test_diff_shape_dtype_changes_and_nan(tmp_path):
     assert diff({"z": np.array([0.0])}, {"z": np.array([-0.0])}, rtol=0.0).equal
 
 
+@pytest.mark.parametrize("dtype, size", [(np.uint8, 4 * 1024 * 1024 + 13), (BF16, 3), (np.float64, 2 * 1024 * 1024 + 1)])
+def test_diff_finds_one_changed_byte_anywhere_in_files_of_many_chunks(tmp_path, dtype, size):
+    """The byte comparison works in 8-byte words and chunks: a change in the last,
+    odd byte of the last chunk still shows, with its size."""
+    a = {"w": np.zeros(size, dtype)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    for position in (0, size - 1):
+        b = {"w": np.zeros(size, dtype)}
+        b["w"].view(np.uint8)[position * b["w"].itemsize + b["w"].itemsize - 1] = 1
+        save_file(b, str(tmp_path / "b.safetensors"))
+        result = diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors"))
+        assert [c.keypath for c in result.changed] == ["w"], position
+        assert result.changed[0].max_abs_diff > 0
+    assert diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "a.safetensors")).equal
+
+
 def test_convert_safetensors_to_orbax_and_back_verifies_bit_exactness(cli, mixed_file, tmp_path):
     pytest.importorskip("orbax.checkpoint")
     path, tensors = mixed_file

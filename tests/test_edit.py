@@ -92,6 +92,22 @@ def test_wildcard_casts_take_float_leaves_only_exact_paths_any_dtype():
     assert materialize(out)["_orig_mod"]["step"].dtype == np.int32
 
 
+def test_cast_over_many_chunks_counts_only_finite_values_that_overflow_and_rounds_as_numpy():
+    """Overflow is found in the output and checked against the source: an inf or NaN
+    already there is not counted; every chunk is cast as NumPy casts."""
+    from treecli._average import SUB_CHUNK
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(3 * SUB_CHUNK + 5) * 1e3
+    w[[7, SUB_CHUNK + 1, 3 * SUB_CHUNK + 4]] = 1e39  # past bfloat16's range, in three places
+    w[[8, 2 * SUB_CHUNK]] = [np.inf, np.nan]
+    out, report = edit({"w": w}, Edits(cast=["w=bfloat16"]))
+    got = materialize(out)["w"]
+    with np.errstate(over="ignore"):
+        assert got.tobytes() == w.astype(BF16).tobytes()
+    assert report.warnings == ["w: 3 values fall outside bfloat16's range and became inf"]
+
+
 def test_lossy_cast_warns_when_written():
     out, report = edit({"w": np.array([1.0, 1e6], np.float32)}, Edits(cast=["w=float16"]))
     assert materialize(out)["w"][1] == np.inf

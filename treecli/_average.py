@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from treecli import _dtypes, _leaf, _tree
+from treecli import _diff, _dtypes, _leaf, _tree
 from treecli._bytes import stream
 from treecli._errors import StructureError, UsageError, option
 from treecli._keypath import format_keypath
@@ -267,15 +267,9 @@ def _count_nonfinite_inputs(leaves, start, stop, keypath, names, report) -> None
 
 def _equal(a: Any, b: Any) -> bool:
     """Bit-exact equality of two leaves (arrays chunk by chunk; NaN equals NaN for scalars)."""
-    import numpy as np
-
     if _leaf.is_array(a):
         a, b = _leaf.as_leaf(a), _leaf.as_leaf(b)
-        for start, stop in a.chunk_ranges():
-            x, y = a.read_flat(start, stop), b.read_flat(start, stop)
-            if x.view(np.uint8).tobytes() != y.view(np.uint8).tobytes():
-                return False
-        return True
+        return all(_diff.same_bytes(x, y) for x, y in zip(stream.iter_chunks(a), stream.iter_chunks(b)))
     return _tree.values_equal(a, b)
 
 

@@ -10,6 +10,7 @@ a ``@file.npy`` value's header; values are computed when written.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -237,23 +238,35 @@ def cast_leaf(source, dtype_name, keypath, report):
     are counted and reported in ``report.warnings`` when the last chunk is read."""
     import numpy as np
 
-    dtype = _dtypes.numpy_dtype(dtype_name)
+    from treecli._average import SUB_CHUNK, scratch_buffers
+
     check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
     overflowed = [0]
+    lock = threading.Lock()
+    step = max(1, SUB_CHUNK * 8 // source.itemsize)  # source elements per scratch buffer
 
-    def compute(start: int, stop: int):
-        chunk = source.read_flat(start, stop)
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = chunk.astype(dtype)
-        if check:
-            overflowed[0] += int(np.count_nonzero(np.isfinite(chunk.astype(np.float64))
-                                                  & ~np.isfinite(out.astype(np.float64))))
-            if stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
-                report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
-                                       "and became inf")
-        return out
+    def fill(start: int, stop: int, out) -> None:
+        # The source is read a scratch buffer at a time and cast straight into the output;
+        # overflow is looked for in the output (an inf) and only then counted against the
+        # source (finite there): no float64 copies.
+        with scratch_buffers(2) as (raw, flags):
+            for s in range(start, stop, step):
+                e = min(stop, s + step)
+                chunk, cast = raw.view(source.dtype)[: e - s], out[s - start : e - start]
+                source.read_into(s, e, chunk)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.copyto(cast, chunk, casting="unsafe")
+                if check:
+                    infinite = np.isinf(cast, out=flags.view(bool)[: e - s])
+                    if infinite.any():
+                        infinite &= np.isfinite(chunk)
+                        with lock:
+                            overflowed[0] += int(np.count_nonzero(infinite))
+        if check and stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
+            report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
+                                   "and became inf")
 
-    return _leaf.ComputedLeaf(source.shape, dtype_name, compute)
+    return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill)
 
 
 def _scale(leaves, text, what, report):
