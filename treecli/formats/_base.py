@@ -82,5 +82,8 @@ class WriteOptions:
     leaf_order: list[tuple] | None = None
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
+    #: The output is re-read (verified) before it is published: start writing it to disk
+    #: early, but keep its pages in memory for that read instead of dropping them.
+    keep_written_pages: bool = False
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None

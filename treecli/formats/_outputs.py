@@ -21,6 +21,7 @@ go through before anything is written (README, "Outputs and safety").
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -106,6 +107,8 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     failure leaves the previous output (or none) and no new one.
     """
     existing = check_target(target, sources, force=force)
+    if verify:
+        options = dataclasses.replace(options, keep_written_pages=True)
     if is_dir:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
