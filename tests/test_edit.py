@@ -108,6 +108,15 @@ def test_cast_over_many_chunks_counts_only_finite_values_that_overflow_and_round
     assert report.warnings == ["w: 3 values fall outside bfloat16's range and became inf"]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "float8_e4m3fn"])
+def test_nonfinite_reads_the_exponent_bits_as_numpy_would_judge(dtype):
+    from treecli import _dtypes
+
+    values = np.array([0.0, -0.0, 1.5, -2.0, np.inf, -np.inf, np.nan, 1e-40, 448.0]).astype(_dtypes.numpy_dtype(dtype))
+    got = _dtypes.nonfinite(values, np.empty(values.size, bool), np.empty(values.size * 8, np.uint8))
+    assert got.tolist() == (~np.isfinite(values)).tolist()
+
+
 def test_lossy_cast_warns_when_written():
     out, report = edit({"w": np.array([1.0, 1e6], np.float32)}, Edits(cast=["w=float16"]))
     assert materialize(out)["w"][1] == np.inf

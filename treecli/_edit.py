@@ -243,13 +243,14 @@ def cast_leaf(source, dtype_name, keypath, report):
     check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
     overflowed = [0]
     lock = threading.Lock()
-    step = max(1, SUB_CHUNK * 8 // source.itemsize)  # source elements per scratch buffer
+    # elements per scratch buffer, for the source and for the output's bits
+    step = max(1, SUB_CHUNK * 8 // max(source.itemsize, _dtypes.itemsize(dtype_name)))
 
     def fill(start: int, stop: int, out) -> None:
         # The source is read a scratch buffer at a time and cast straight into the output;
-        # overflow is looked for in the output (an inf) and only then counted against the
-        # source (finite there): no float64 copies.
-        with scratch_buffers(2) as (raw, flags):
+        # overflow is looked for in the output (Inf or NaN) and only then counted against
+        # the source (finite there): no float64 copies.
+        with scratch_buffers(3) as (raw, flags, work):
             for s in range(start, stop, step):
                 e = min(stop, s + step)
                 chunk, cast = raw.view(source.dtype)[: e - s], out[s - start : e - start]
@@ -257,7 +258,7 @@ def cast_leaf(source, dtype_name, keypath, report):
                 with np.errstate(over="ignore", invalid="ignore"):
                     np.copyto(cast, chunk, casting="unsafe")
                 if check:
-                    infinite = np.isinf(cast, out=flags.view(bool)[: e - s])
+                    infinite = _dtypes.nonfinite(cast, flags.view(bool)[: e - s], work)
                     if infinite.any():
                         infinite &= np.isfinite(chunk)
                         with lock:
