@@ -184,6 +184,30 @@ def test_dare_matches_the_reference_and_reads_alike_in_any_chunks(method, consen
     assert pieces.tobytes() == want.tobytes()
 
 
+def test_a_ties_merge_of_lazy_ties_merges_finishes_and_matches_merging_the_computed_ones():
+    """Each TIES leaf selects on first use on two threads; a merge whose inputs are
+    themselves lazy merges nests those selections inside the helper thread's blocks."""
+    import threading
+
+    base, ms = models(np.float32, shape=(3 * SUB_CHUNK + 11,), count=4, seed=9)
+    tree = lambda x: {"w": x}  # noqa: E731
+    result: dict = {}
+
+    def nested() -> None:
+        inner = [_merge.merge([tree(ms[i]), tree(ms[i + 1])], "ties", base=tree(base), density=0.5)[0]
+                 for i in (0, 2)]
+        outer, _ = _merge.merge(inner, "ties", base=tree(base), density=0.4)
+        result["lazy"] = outer["w"].read()
+        computed = [{"w": t["w"].read()} for t in inner]
+        result["eager"] = np.asarray(treecli.merge(computed, "ties", base=tree(base), density=0.4)[0]["w"])
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the nested merge did not finish (a deadlock between selections)"
+    assert bits(result["lazy"]) == bits(result["eager"])
+
+
 def test_slerp_of_orthogonal_and_parallel_leaves():
     a = {"o": np.array([1.0, 0.0], np.float32), "p": np.array([1.0, 2.0], np.float32)}
     b = {"o": np.array([0.0, 1.0], np.float32), "p": np.array([2.0, 4.0], np.float32)}
