@@ -63,27 +63,64 @@ def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | 
 
 def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
              progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None,
-             leaf_order: list | None = None) -> Callable[[Path], None]:
+             leaf_order: list | None = None) -> "Verifier":
     """A check of a finished temporary against ``tree``, raising on any difference.
 
     ``progress(description, total_bytes)``, when given, is a context giving an
     ``advance(nbytes)`` callable (a progress bar: the check reads everything twice).
     """
+    return Verifier(tree, fmt, dropped_allowed, progress, leaf_order)
 
-    def verify(written_path: Path) -> None:
+
+class Verifier:
+    """Called with the finished temporary. Leaves are compared with the source, except
+    those costly to read again (an Orbax array, decompressed whole): the writer records
+    the digest of what it wrote for them in ``digests`` (by the leaf's ``id``), and the
+    output's bytes are checked against that, so the source is read once."""
+
+    def __init__(self, tree: Any, fmt: Any, dropped_allowed: bool, progress: Any, leaf_order: list | None):
+        self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
+        self._progress, self._leaf_order = progress, leaf_order
+        self.digests: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, written_path: Path) -> None:
         from treecli.formats import open_checkpoint
 
-        total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
-        with open_checkpoint(written_path, fmt.name) as written, \
-                (progress("verifying", total) if progress else contextlib.nullcontext(None)) as advance:
-            expected, written_names = _expected_and_written(tree, written.tree, fmt, leaf_order)
-            result = _diff.diff(expected, written_names, progress=advance)
-        problems = _reference_check(written_path, written_names) if fmt.name == "safetensors" else []
+        total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(self._tree) if _leaf.is_array(x))
+        with open_checkpoint(written_path, self._fmt.name) as written, \
+                (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
+            expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._leaf_order)
+            problems = self._check_digests(expected, written_names, advance)
+            result = _diff.diff({k: v for k, v in expected.items() if id(v) not in self.digests},
+                                {k: v for k, v in written_names.items()
+                                 if k not in expected or id(expected[k]) not in self.digests}, progress=advance)
+        if self._fmt.name == "safetensors":
+            problems += _reference_check(written_path, written_names)
         problems += [f"only in the output: {k}" for k in result.only_in_b]
-        problems += [f"missing from the output: {k}" for k in result.only_in_a if not dropped_allowed]
+        problems += [f"missing from the output: {k}" for k in result.only_in_a if not self._dropped_allowed]
         problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in result.changed]
         if problems:
             raise TreecliError(f"verification failed: the output differs from the input in {len(problems)} "
                                "leaves; nothing was replaced", file=str(written_path), details=problems)
 
-    return verify
+    def _check_digests(self, expected: dict, written: dict, advance: Any) -> list[str]:
+        """The leaves with a recorded digest: the output's bytes must give the same one."""
+        from treecli._bytes import stream
+
+        problems = []
+        for name, source in expected.items():
+            if id(source) not in self.digests:
+                continue
+            output = written.get(name)
+            if output is None:
+                if not self._dropped_allowed:
+                    problems.append(f"missing from the output: {name}")
+                continue
+            described = (_tree.describe_leaf(source), _tree.describe_leaf(output))
+            if not _leaf.is_array(output) or described[0] != described[1]:
+                problems.append(f"{name}: {described[0]} -> {described[1]}")
+            elif stream.digest_of(_leaf.as_leaf(output)) != self.digests[id(source)]:
+                problems.append(f"{name}: {described[0]}: the bytes written differ from the bytes read back")
+            if advance:
+                advance(2 * _leaf.as_leaf(source).nbytes)
+        return problems

@@ -229,13 +229,49 @@ class Writeback:
             self._enabled = False
 
 
-def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
-               writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None) -> None:
-    """Write a leaf's bytes (little-endian, C order) to ``f`` a chunk at a time, the next
-    chunk read while this one is written. ``writeback`` is called after each chunk
-    (a :class:`Writeback`), ``progress`` with each chunk's byte count."""
+class Digest:
+    """A checksum of a byte stream: its length and CRC-32 (zlib's, 4 GB/s here, and it lets
+    go of the GIL). CRC-32 catches every burst of up to 32 bits and misses other damage
+    once in 4 billion; adding Adler-32 cost as much again (0.67 s per 2 GiB)."""
+
+    def __init__(self) -> None:
+        self.length, self._crc = 0, 0
+
+    def update(self, data: Any) -> None:
+        import zlib
+
+        self.length += len(data)
+        self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> tuple[int, int]:
+        return self.length, self._crc
+
+
+def digest_of(leaf: ArrayLeaf) -> tuple[int, int]:
+    """The :class:`Digest` of a leaf's bytes as ``write_leaf`` writes them."""
     import numpy as np
 
+    digest = Digest()
+    for chunk in iter_chunks(leaf):
+        digest.update(np.ascontiguousarray(chunk.astype(chunk.dtype.newbyteorder("<"), copy=False))
+                      .reshape(-1).view(np.uint8))
+    return digest.value()
+
+
+def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
+               writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
+               digests: dict[int, tuple[int, int]] | None = None) -> None:
+    """Write a leaf's bytes (little-endian, C order) to ``f`` a chunk at a time, the next
+    chunk read while this one is written. ``writeback`` is called after each chunk
+    (a :class:`Writeback`), ``progress`` with each chunk's byte count. With ``digests``,
+    a leaf that is costly to read again (one read whole: an Orbax array) has the digest
+    of what was written recorded under its ``id``, for a verification to check the
+    output against instead of reading the source a second time."""
+    import numpy as np
+
+    from treecli._leaf import WholeLeaf
+
+    digest = Digest() if digests is not None and isinstance(leaf, WholeLeaf) else None
     written = 0
     for chunk in iter_chunks(leaf):
         if chunk.dtype != leaf.dtype:
@@ -245,6 +281,8 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
             chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
         raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
         f.write(raw)
+        if digest is not None:
+            digest.update(raw)
         if writeback:
             writeback()
         written += raw.nbytes
@@ -253,3 +291,5 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
     if written != leaf.nbytes:
         raise TreecliError(f"internal error: wrote {written} bytes, expected {leaf.nbytes}", file=file,
                            keypath=keypath)
+    if digest is not None:
+        digests[id(leaf)] = digest.value()

@@ -85,5 +85,8 @@ class WriteOptions:
     #: The output is re-read (verified) before it is published: start writing it to disk
     #: early, but keep its pages in memory for that read instead of dropping them.
     keep_written_pages: bool = False
+    #: Where writers record the digest of each leaf that is costly to read again (see
+    #: ``stream.write_leaf``), for that verification; None: not recorded.
+    digests: dict[int, tuple[int, int]] | None = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None

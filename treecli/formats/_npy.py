@@ -84,10 +84,11 @@ def _parse_dict(text: str) -> tuple[Any, bool, tuple[int, ...]]:
 
 
 def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | None = None,
-          writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None) -> None:
+          writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
+          digests: dict | None = None) -> None:
     """Write an array leaf as one record, as ``np.save`` lays it out: a version 1.0
     header (2.0 when it would not fit), then the data in C order, streamed by
-    ``_bytes.stream.write_leaf`` (``writeback`` and ``progress`` as there).
+    ``_bytes.stream.write_leaf`` (``writeback``, ``progress`` and ``digests`` as there).
 
     ``descr`` overrides the dtype's own (npz stores bfloat16 as ``|V2`` with its real
     dtype beside).
@@ -102,4 +103,4 @@ def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | 
         np.lib.format.write_array_header_1_0(f, header)
     except ValueError:  # a header over 64 KiB needs format 2.0
         np.lib.format.write_array_header_2_0(f, header)
-    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress)
+    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress, digests=digests)

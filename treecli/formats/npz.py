@@ -329,7 +329,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
             info.file_size = leaf.nbytes  # a hint: zipfile picks zip64 when large
             with archive.open(info, "w", force_zip64=leaf.nbytes > 2**31) as member:
                 _npy.write(member, leaf, file=str(target), keypath=key, descr=descr, writeback=writeback,
-                           progress=options.progress)
+                           progress=options.progress, digests=options.digests)
         if real_dtypes:
             info = zipfile.ZipInfo(METADATA_MEMBER, date_time=_FIXED_TIME)
             archive.writestr(info, json.dumps({"dtypes": real_dtypes}, sort_keys=True))

@@ -575,7 +575,8 @@ def _write_stream(f: Any, head: bytes, entries: list[tuple[str, Any]], file: str
                   writeback: stream.Writeback | None = None) -> None:
     f.write(head)
     for key, leaf in entries:
-        stream.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress)
+        stream.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress,
+                          digests=options.digests)
 
 
 def _write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
