@@ -6,15 +6,18 @@ beside a fair reference measured in the same interleaved run:
                            the bytes differ (every chunk, in the different pair);
   convert st -> npz        read + write + fsync, write-back started every 32 MiB (as
                            treecli's writer does); treecli verified and --no-verify;
-  edit --cast bfloat16     the same stream with a NumPy cast of each chunk.
+  edit --cast bfloat16     the same stream with a NumPy cast of each chunk;
+  convert Orbax -> st      the same 32 leaves saved by Orbax's StandardCheckpointer: each
+                           array read whole through TensorStore, written and fsynced
+                           as above; treecli verified and --no-verify.
 
-    python bench/streams.py [--runs 5] [--gib 1] [--jobs diff-equal,diff-different,convert,cast]
+    python bench/streams.py [--runs 5] [--gib 1] [--jobs diff-equal,diff-different,convert,cast,orbax]
 
 Wall time is the median of --runs, taken in turns (treecli, reference, treecli, ...);
 the load average and how full the page cache was are printed with the results.
 Page cache warm for inputs; outputs are deleted and synced between runs.
 Targets (issue 19): diff <= 1.2x its reference; verified convert <= 1.5x the floor;
---cast <= 1.1x the streaming cast.
+--cast <= 1.1x the streaming cast; Orbax -> safetensors <= 1.2x TensorStore + write.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ a = {f"layers.{k}.w": rng.standard_normal((rows, 4096), dtype=np.float32) for k 
 save_file(a, f"{directory}/a.safetensors")
 save_file(a, f"{directory}/same.safetensors")
 save_file({k: v + np.float32(1e-3) for k, v in a.items()}, f"{directory}/other.safetensors")
+import orbax.checkpoint as ocp
+checkpointer = ocp.StandardCheckpointer()
+checkpointer.save(f"{directory}/orbax", {k.replace(".", "_"): v for k, v in a.items()})
+checkpointer.wait_until_finished()
+checkpointer.close()
 '''
 
 CHILD = r'''
@@ -57,6 +65,30 @@ if tool == "treecli":
         assert main(["convert", inputs[0], out, "--no-verify", "--quiet"]) == 0
     elif job == "cast":
         assert main(["edit", inputs[0], "-o", out, "--cast", "**=bfloat16", "--quiet"]) == 0
+    elif job == "orbax":
+        assert main(["convert", inputs[0], out, "--quiet"]) == 0
+    elif job == "orbax-noverify":
+        assert main(["convert", inputs[0], out, "--no-verify", "--quiet"]) == 0
+elif job == "orbax":  # TensorStore reads each array whole; the bytes are streamed out and fsynced
+    import numpy as np
+    from treecli.formats import open_checkpoint
+    from treecli import _tree
+    with open_checkpoint(inputs[0]) as ckpt:  # only for the arrays' TensorStore specs
+        stores = [leaf._store for _, leaf in _tree.flatten(ckpt.tree)]
+        with open(out, "wb") as f:
+            f.write(b"\0" * 4096)
+            hinted = previous = 0
+            for store in stores:
+                data = store.read().result().reshape(-1).view(np.uint8)
+                for off in range(0, data.size, 4 << 20):
+                    f.write(data[off : off + (4 << 20)])
+                    end = f.tell()
+                    if end - hinted >= 32 << 20:
+                        f.flush()
+                        os.posix_fadvise(f.fileno(), previous, end - previous, os.POSIX_FADV_DONTNEED)
+                        previous, hinted = hinted, end
+            f.flush()
+            os.fsync(f.fileno())
 else:
     import numpy as np
     import ml_dtypes
@@ -125,6 +157,7 @@ JOBS = {  # job: (the treecli runs, the reference, the inputs)
     "diff-different": (["diff-different"], "diff-different", ["a", "other"]),
     "convert": (["convert", "convert-noverify"], "convert", ["a"]),
     "cast": (["cast"], "cast", ["a"]),
+    "orbax": (["orbax", "orbax-noverify"], "orbax", ["orbax"]),
 }
 
 
@@ -155,13 +188,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         tmp = Path(tmp)
         subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib)], check=True)
-        for name in ("a", "same", "other"):  # warm the page cache from another process
-            subprocess.run(["cat", str(tmp / f"{name}.safetensors")], stdout=subprocess.DEVNULL, check=True)
+        warm = [tmp / f"{name}.safetensors" for name in ("a", "same", "other")]
+        warm += [p for p in (tmp / "orbax").rglob("*") if p.is_file()]
+        for path in warm:  # warm the page cache from another process
+            subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
         print(f"{(tmp / 'a.safetensors').stat().st_size / 2**30:.2f} GiB fp32; before: {cache_state()}")
         print(f"{'job':<34} {'treecli':>9} {'reference':>10} {'ratio':>7}")
         for job in args.jobs.split(","):
             ours_jobs, reference_job, names = JOBS[job]
-            inputs = [tmp / f"{n}.safetensors" for n in names]
+            inputs = [tmp / (n if n == "orbax" else f"{n}.safetensors") for n in names]
             times: dict[str, list[float]] = {j: [] for j in [*ours_jobs, "reference"]}
             suffix = ".npz" if job == "convert" else ".safetensors"
             for _ in range(args.runs):  # interleaved: ours, the reference, ours, ...

@@ -280,25 +280,6 @@ def test_many_small_leaves_are_written_without_rehinting_or_thread_hand_offs(tmp
     assert all(hints[k][0] == ends[k - 2] for k in range(2, len(hints)))
 
 
-def test_a_verified_output_is_hinted_once_per_window_so_its_pages_stay_for_the_check(cli, tmp_path, monkeypatch):
-    """convert verifies its output before publishing it: the write-back hints cover each
-    new window only (dirty pages: written, not dropped), never the window before again,
-    so the check reads the output from memory rather than from disk."""
-    import os
-
-    from treecli._bytes import stream
-
-    source = tmp_path / "in.safetensors"
-    save_file({f"t.{i}": np.full(4096, i, np.float32) for i in range(40)}, str(source))
-    hints = []
-    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 64 * 1024)
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length)))
-    result = cli("convert", source, tmp_path / "out.npz")
-    assert result.code == 0, result.stderr
-    assert len(hints) >= 5
-    assert all(hints[k][0] == hints[k - 1][0] + hints[k - 1][1] for k in range(1, len(hints)))  # back to back
-
-
 def test_two_saves_give_identical_bytes(mixed_file, tmp_path):
     path, _ = mixed_file
     tree = treecli.load(path)

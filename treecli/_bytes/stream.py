@@ -201,18 +201,14 @@ class Writeback:
     call covers the window before too: written back by then, its pages are clean
     and DONTNEED drops them, so a big output does not evict the inputs. (Pages
     still being written when first hinted are never dropped by that first hint.)
-
-    With ``keep_pages`` (an output verified before it is published) only the new window
-    is hinted: its pages are still dirty, so they are written but not dropped, and the
-    verification reads them from memory (dropped, a 1 GiB convert spent 1.3 s reading
-    its output back from disk).
+    (Keeping a verified output's pages instead, by hinting each window once, measured no
+    faster: 4.06-5.16 s against 4.06-4.66 s for a verified 1 GiB Orbax -> safetensors.)
     """
 
-    def __init__(self, f: BinaryIO, keep_pages: bool = False):
+    def __init__(self, f: BinaryIO):
         self._f = f
         self._previous = 0  # start of the last window hinted
         self._hinted = 0  # end of it
-        self._keep_pages = keep_pages
         self._enabled = hasattr(os, "posix_fadvise")
 
     def __call__(self) -> None:
@@ -222,8 +218,7 @@ class Writeback:
             end = self._f.tell()
             if end - self._hinted >= WRITEBACK_BYTES:
                 self._f.flush()
-                start = self._hinted if self._keep_pages else self._previous
-                os.posix_fadvise(self._f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._f.fileno(), self._previous, end - self._previous, os.POSIX_FADV_DONTNEED)
                 self._previous, self._hinted = self._hinted, end
         except (AttributeError, OSError, io.UnsupportedOperation):  # not a plain file: only a hint is lost
             self._enabled = False

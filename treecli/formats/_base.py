@@ -82,9 +82,6 @@ class WriteOptions:
     leaf_order: list[tuple] | None = None
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
-    #: The output is re-read (verified) before it is published: start writing it to disk
-    #: early, but keep its pages in memory for that read instead of dropping them.
-    keep_written_pages: bool = False
     #: Where writers record the digest of each leaf that is costly to read again (see
     #: ``stream.write_leaf``), for that verification; None: not recorded.
     digests: dict[int, tuple[int, int]] | None = None

@@ -108,7 +108,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     """
     existing = check_target(target, sources, force=force)
     if verify:
-        options = dataclasses.replace(options, keep_written_pages=True, digests=getattr(verify, "digests", None))
+        options = dataclasses.replace(options, digests=getattr(verify, "digests", None))
     if is_dir:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
