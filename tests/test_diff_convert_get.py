@@ -81,13 +81,14 @@ def test_convert_from_orbax_reads_each_array_once_and_checks_what_it_wrote(cli, 
     from treecli import _verify
     from treecli.formats import orbax
 
-    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, BF16)}
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, BF16), "note": "kept by Orbax only"}
     treecli.save(tree, tmp_path / "ck", format="orbax")
     loads = []
     original = orbax.OrbaxLeaf.load
     monkeypatch.setattr(orbax.OrbaxLeaf, "load", lambda self: loads.append(self) or original(self))
-    result = cli("convert", tmp_path / "ck", tmp_path / target)
+    result = cli("convert", tmp_path / "ck", tmp_path / target, "--drop-unsupported")
     assert result.code == 0, result.stderr
+    assert "verified" in result.stderr
     assert len(loads) == 2  # each array once: written, then checked by digest
     assert bits(treecli.load(tmp_path / target)["w"].read()) == bits(tree["w"])
 
@@ -102,9 +103,10 @@ def test_convert_from_orbax_reads_each_array_once_and_checks_what_it_wrote(cli, 
         return check(self, path)
 
     monkeypatch.setattr(_verify.Verifier, "__call__", corrupt_then_check)
-    result = cli("convert", tmp_path / "ck", tmp_path / "again.safetensors")
-    assert_clean_error(result, "verification failed")
-    assert "the bytes written differ" in result.stderr
+    result = cli("convert", tmp_path / "ck", tmp_path / "again.safetensors", "--drop-unsupported")
+    assert result.code == 2 and "Traceback" not in result.stderr
+    assert "treecli: error: " in result.stderr and "verification failed" in result.stderr
+    assert "w: [3, 4] float32: the bytes written differ" in result.stderr
     assert not (tmp_path / "again.safetensors").exists()
 
 
