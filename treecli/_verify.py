@@ -81,7 +81,7 @@ class Verifier:
     def __init__(self, tree: Any, fmt: Any, dropped_allowed: bool, progress: Any, leaf_order: list | None):
         self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
         self._progress, self._leaf_order = progress, leaf_order
-        self.digests: dict[int, tuple[int, int]] = {}
+        self.digests: dict[int, tuple[Any, tuple[int, int]]] = {}  # id(leaf): (leaf, digest)
 
     def __call__(self, written_path: Path) -> None:
         from treecli.formats import open_checkpoint
@@ -92,7 +92,7 @@ class Verifier:
             expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._leaf_order)
             problems = self._check_digests(expected, written_names, advance)
             # the leaves checked by digest stand in as equal markers: names still compare as they are
-            checked = {k for k, v in expected.items() if id(v) in self.digests and k in written_names}
+            checked = {k for k, v in expected.items() if self._digest(v) is not None and k in written_names}
             result = _diff.diff({k: 0 if k in checked else v for k, v in expected.items()},
                                 {k: 0 if k in checked else v for k, v in written_names.items()}, progress=advance)
         if self._fmt.name == "safetensors":
@@ -110,7 +110,8 @@ class Verifier:
 
         problems = []
         for name, source in expected.items():
-            if id(source) not in self.digests:
+            recorded = self._digest(source)
+            if recorded is None:
                 continue
             output = written.get(name)
             if output is None:
@@ -118,8 +119,12 @@ class Verifier:
             described = (_tree.describe_leaf(source), _tree.describe_leaf(output))
             if not _leaf.is_array(output) or described[0] != described[1]:
                 problems.append(f"{name}: {described[0]} -> {described[1]}")
-            elif stream.digest_of(_leaf.as_leaf(output)) != self.digests[id(source)]:
+            elif stream.digest_of(_leaf.as_leaf(output)) != recorded:
                 problems.append(f"{name}: {described[0]}: the bytes written differ from the bytes read back")
             if advance:
                 advance(2 * _leaf.as_leaf(source).nbytes)
         return problems
+
+    def _digest(self, source: Any) -> tuple[int, int] | None:
+        entry = self.digests.get(id(source))
+        return entry[1] if entry is not None and entry[0] is source else None

@@ -255,13 +255,14 @@ def digest_of(leaf: ArrayLeaf) -> tuple[int, int]:
 
 def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
                writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
-               digests: dict[int, tuple[int, int]] | None = None) -> None:
+               digests: dict[int, tuple[ArrayLeaf, tuple[int, int]]] | None = None) -> None:
     """Write a leaf's bytes (little-endian, C order) to ``f`` a chunk at a time, the next
     chunk read while this one is written. ``writeback`` is called after each chunk
     (a :class:`Writeback`), ``progress`` with each chunk's byte count. With ``digests``,
     a leaf that is costly to read again (one read whole: an Orbax array) has the digest
-    of what was written recorded under its ``id``, for a verification to check the
-    output against instead of reading the source a second time."""
+    of what was written recorded under its ``id`` (with the leaf, so that the id stays
+    its own), for a verification to check the output against instead of reading the
+    source a second time."""
     import numpy as np
 
     from treecli._leaf import WholeLeaf
@@ -287,4 +288,4 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
         raise TreecliError(f"internal error: wrote {written} bytes, expected {leaf.nbytes}", file=file,
                            keypath=keypath)
     if digest is not None:
-        digests[id(leaf)] = digest.value()
+        digests[id(leaf)] = (leaf, digest.value())

@@ -84,6 +84,6 @@ class WriteOptions:
     progress: Callable[[int], None] | None = None
     #: Where writers record the digest of each leaf that is costly to read again (see
     #: ``stream.write_leaf``), for that verification; None: not recorded.
-    digests: dict[int, tuple[int, int]] | None = None
+    digests: dict[int, tuple[Any, tuple[int, int]]] | None = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
