@@ -15,7 +15,7 @@ from concurrent.futures import Future, wait
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from treecli._errors import TreecliError
-from treecli._leaf import CHUNK_BYTES, ArrayLeaf
+from treecli._leaf import CHUNK_BYTES, ArrayLeaf, WholeLeaf
 
 
 class _Worker:
@@ -244,13 +244,19 @@ class Digest:
 
 def digest_of(leaf: ArrayLeaf) -> tuple[int, int]:
     """The :class:`Digest` of a leaf's bytes as ``write_leaf`` writes them."""
-    import numpy as np
-
     digest = Digest()
     for chunk in iter_chunks(leaf):
-        digest.update(np.ascontiguousarray(chunk.astype(chunk.dtype.newbyteorder("<"), copy=False))
-                      .reshape(-1).view(np.uint8))
+        digest.update(_stored_bytes(chunk))
     return digest.value()
+
+
+def _stored_bytes(chunk: Any) -> Any:
+    """A chunk's bytes as files store them: little-endian, C order."""
+    import numpy as np
+
+    if chunk.dtype.byteorder == ">":
+        chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
 
 
 def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
@@ -263,19 +269,13 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
     of what was written recorded under its ``id`` (with the leaf, so that the id stays
     its own), for a verification to check the output against instead of reading the
     source a second time."""
-    import numpy as np
-
-    from treecli._leaf import WholeLeaf
-
     digest = Digest() if digests is not None and isinstance(leaf, WholeLeaf) else None
     written = 0
     for chunk in iter_chunks(leaf):
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
                                file=file, keypath=keypath)
-        if chunk.dtype.byteorder == ">":
-            chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
-        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+        raw = _stored_bytes(chunk)
         f.write(raw)
         if digest is not None:
             digest.update(raw)
