@@ -54,6 +54,18 @@ CHILD = r'''
 import json, os, struct, sys, time
 start = time.perf_counter()
 job, tool, out, *inputs = sys.argv[1:]
+
+
+def written_back(f, window):
+    """After each write: every 32 MiB, start write-back as treecli's writer does (``window``:
+    [start of the last window hinted, its end])."""
+    end = f.tell()
+    if end - window[1] >= 32 << 20:
+        f.flush()
+        os.posix_fadvise(f.fileno(), window[0], end - window[0], os.POSIX_FADV_DONTNEED)
+        window[:] = [window[1], end]
+
+
 if tool == "treecli":
     from treecli.cli import main
     if job.startswith("diff"):
@@ -77,16 +89,12 @@ elif job == "orbax":  # TensorStore reads each array whole; the bytes are stream
         stores = [leaf._store for _, leaf in _tree.flatten(ckpt.tree)]
         with open(out, "wb") as f:
             f.write(b"\0" * 4096)
-            hinted = previous = 0
+            window = [0, 0]
             for store in stores:
                 data = store.read().result().reshape(-1).view(np.uint8)
                 for off in range(0, data.size, 4 << 20):
                     f.write(data[off : off + (4 << 20)])
-                    end = f.tell()
-                    if end - hinted >= 32 << 20:
-                        f.flush()
-                        os.posix_fadvise(f.fileno(), previous, end - previous, os.POSIX_FADV_DONTNEED)
-                        previous, hinted = hinted, end
+                    written_back(f, window)
             f.flush()
             os.fsync(f.fileno())
 else:
@@ -129,7 +137,7 @@ else:
         cast = np.empty(chunk // 2, np.uint8)
         with open(out, "wb") as f:
             f.write(b"\0" * 4096)  # a header's worth
-            written = hinted = previous = 0
+            window = [0, 0]
             for name, info in h.items():
                 lo, hi = info["data_offsets"]
                 for off in range(lo, hi, chunk):
@@ -141,11 +149,7 @@ else:
                         f.write(data.view(np.uint8))
                     else:
                         f.write(buf[:n])
-                    end = f.tell()
-                    if end - hinted >= 32 << 20:
-                        f.flush()
-                        os.posix_fadvise(f.fileno(), previous, end - previous, os.POSIX_FADV_DONTNEED)
-                        previous, hinted = hinted, end
+                    written_back(f, window)
             f.flush()
             os.fsync(f.fileno())
 elapsed = time.perf_counter() - start
