@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future, wait
+from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from treecli._errors import TreecliError
@@ -201,14 +202,18 @@ class Writeback:
     call covers the window before too: written back by then, its pages are clean
     and DONTNEED drops them, so a big output does not evict the inputs. (Pages
     still being written when first hinted are never dropped by that first hint.)
-    (Keeping a verified output's pages instead, by hinting each window once, measured no
-    faster: 4.06-5.16 s against 4.06-4.66 s for a verified 1 GiB Orbax -> safetensors.)
+
+    With ``keep`` (an output read back right after, to verify it), each window is hinted
+    once: write-back starts, the pages stay cached for the re-read, and the caller drops
+    them after it (``drop_cached``). Read back from the disk instead, a verified 1 GiB
+    convert took 2.7 s rather than 1.2 s.
     """
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, keep: bool = False):
         self._f = f
-        self._previous = 0  # start of the last window hinted
-        self._hinted = 0  # end of it
+        self._keep = keep
+        self._previous = 0  # start of the window to hint from: the last one's, or its end when keeping
+        self._hinted = 0  # end of the last window hinted
         self._enabled = hasattr(os, "posix_fadvise")
 
     def __call__(self) -> None:
@@ -219,9 +224,26 @@ class Writeback:
             if end - self._hinted >= WRITEBACK_BYTES:
                 self._f.flush()
                 os.posix_fadvise(self._f.fileno(), self._previous, end - self._previous, os.POSIX_FADV_DONTNEED)
-                self._previous, self._hinted = self._hinted, end
+                self._previous, self._hinted = (end if self._keep else self._hinted), end
         except (AttributeError, OSError, io.UnsupportedOperation):  # not a plain file: only a hint is lost
             self._enabled = False
+
+
+def drop_cached(path: Path) -> None:
+    """Drop the cached pages of a written output (a file, or the files under a directory),
+    once it has been read back: clean after its fsync, they would only evict other pages."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    files = [path] if path.is_file() else [Path(root) / name for root, _, names in os.walk(path) for name in names]
+    for file in files:
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # a link or a file gone: nothing of ours to drop
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class Digest:

@@ -85,5 +85,8 @@ class WriteOptions:
     #: Where writers record the digest of each leaf that is costly to read again (see
     #: ``stream.write_leaf``), for that verification; None: not recorded.
     digests: dict[int, tuple[Any, tuple[int, int]]] | None = None
+    #: The output is read back as soon as it is written (verification): writers start its
+    #: write-back but keep its pages cached for that (``stream.Writeback``); the caller drops them.
+    reread: bool = False
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None

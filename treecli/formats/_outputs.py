@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _atomic
+from treecli._bytes import stream
 from treecli._bytes.local import special_kind
 from treecli._errors import UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
@@ -108,7 +109,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     """
     existing = check_target(target, sources, force=force)
     if verify:
-        options = dataclasses.replace(options, digests=getattr(verify, "digests", None))
+        options = dataclasses.replace(options, digests=getattr(verify, "digests", None), reread=True)
     if is_dir:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
@@ -123,6 +124,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
                     shutil.copy2(companion, built / companion.name)
             if verify:
                 verify(built)
+                stream.drop_cached(built)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
@@ -130,6 +132,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
         fmt.write(tree, tmp, options)
         if verify:
             verify(tmp)
+            stream.drop_cached(tmp)
 
 
 def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:

@@ -316,7 +316,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                            "reads); write safetensors or msgpack instead", file=str(target))
     real_dtypes = {}
     with open(target, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        writeback = stream.Writeback(f)
+        writeback = stream.Writeback(f, keep=options.reread)
         for key, leaf in entries:
             dtype = leaf.dtype
             if dtype.kind == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):
