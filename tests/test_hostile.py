@@ -45,6 +45,19 @@ def test_names_and_metadata_from_a_file_never_reach_the_terminal_raw(hostile_fil
         assert re.search(r"\\(x1b|u001b)\]0;pwned", result.stdout) and "\\u202e" in result.stdout
 
 
+def test_a_raw_control_among_thousands_of_lines_is_escaped_and_keeps_to_its_line(capsys):
+    """Printed lines are checked for controls a batch at a time: one line holding them in a
+    batch of safe ones still shows escaped, and its newline does not start a line of its own."""
+    from treecli.cli._output import Output
+
+    lines = [f"row {i}" for i in range(9000)]
+    lines[5000:5000] = ["nl\nline", [("title\x1b]0;pwned\x07", "bold"), ("  ", "")]]
+    Output().lines(lines)
+    printed = capsys.readouterr().out.split("\n")
+    assert printed[:-1] == lines[:5000] + ["nl\\x0aline", "title\\x1b]0;pwned\\x07"] + lines[5002:]
+    assert printed[-1] == ""
+
+
 def test_json_carries_hostile_names_exactly(hostile_file):
     path, tensors = hostile_file
     result = run_cli("show", path, "--json")

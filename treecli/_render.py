@@ -75,33 +75,41 @@ def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozen
     A cell is a str; the first cell of a row may instead be a list of segments (a
     styled key). Rows of plain strings give plain lines; otherwise the header is bold.
     """
-    # The columns after the first are plain text: one str.format per row, all in C.
-    widths = [max(len(title), max(map(len, map(itemgetter(i), rows)), default=0))
-              for i, title in enumerate(header) if i]
+    return keyed_table(header, [(row[0], row[1:]) for row in rows], right)
+
+
+def keyed_table(header: list[str], rows: list[tuple[str | list[Segment], Sequence[str]]],
+                right: set[int] = frozenset()) -> Iterable[Line]:
+    """``table`` of ``(first cell, the other cells)`` rows. Rows that show the same may share
+    one sequence of other cells (``_cells_memo``): each distinct one is laid out once, and a
+    line is its first cell, padded, and that text (333k rows of a big tree, ~2,000 distinct)."""
+    distinct = list({id(cells): cells for _, cells in rows}.values())
+    widths = [max(len(title), max((len(cells[i]) for cells in distinct), default=0))
+              for i, title in enumerate(header[1:])]
     formats = [f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths, 1)]
-    firsts = list(map(itemgetter(0), rows))
-    if set(map(type, firsts)) <= {str}:
-        width = max(len(header[0]), max(map(len, firsts), default=0))
-        template = "  ".join([f"{{:{'>' if 0 in right else '<'}{width}}}", *formats])
-        return map(str.rstrip, itertools.starmap(template.format, itertools.chain([header], rows)))
+    tail = "".join("  " + f for f in formats)
+    tails = {id(cells): tail.format(*cells).rstrip() for cells in distinct}
+    head_tail = tail.format(*header[1:]).rstrip()
+    firsts = [first for first, _ in rows]
     lengths = [len(c) if type(c) is str else sum(len(text) for text, _ in c) for c in firsts]
     width = max(len(header[0]), *lengths)
-    tail = "".join("  " + f for f in formats)
-    tails = itertools.starmap(tail.format, map(itemgetter(slice(1, None)), rows))
-    first_format = f"{{:{'>' if 0 in right else '<'}{width}}}"
-    head: Line = [(first_format.format(header[0]), "bold")]
+    pad = str.rjust if 0 in right else str.ljust
+    if all(type(first) is str for first in firsts):
+        lines = (pad(first, width) + tails[id(cells)] for first, cells in rows)
+        return itertools.chain([(pad(header[0], width) + head_tail).rstrip()], map(str.rstrip, lines))
+    head: Line = [(pad(header[0], width), "bold")]
     for f, title in zip(formats, header[1:]):
         head += [("  ", ""), (f.format(title), "bold")]
 
-    def line(first: str | list[Segment], length: int, rest: str) -> Line:
+    def line(first: str | list[Segment], length: int, cells: Sequence[str]) -> Line:
         segments = [(first, "")] if type(first) is str else list(first)
-        pad = " " * (width - length)
+        spaces = " " * (width - length)
         if 0 in right:
-            return [(pad, ""), *segments, (rest, "")]
-        segments.append((pad + rest, ""))
+            return [(spaces, ""), *segments, (tails[id(cells)], "")]
+        segments.append((spaces + tails[id(cells)], ""))
         return segments
 
-    return itertools.chain([head], map(line, firsts, lengths, tails))
+    return itertools.chain([head], map(line, firsts, lengths, (cells for _, cells in rows)))
 
 
 def changes_json(rows: Sequence[Sequence[str]], output: Any = None, skipped: Sequence[str] = ()) -> dict[str, Any]:
@@ -227,26 +235,37 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
     cells = _cells_memo(stats)
     shape_of = _shapes(root) if fold else {}
 
+    key_texts: dict[tuple[type, Any], str] = {}  # most keys repeat (weight, bias, 0 ... 255)
+
+    def key_text(key: Any) -> str:
+        text = key_texts.get((type(key), key))
+        if text is None:
+            text = key_texts[(type(key), key)] = format_key(key)
+        return text
+
     # One call per inner node, not per row: 333k rows for a 200k-tensor header.
     def add_children(node: Node, prefix: str, level: int) -> None:
-        runs = _runs(node.children, shape_of) if fold else [[c] for c in node.children]
-        last_index = len(runs) - 1
-        for i, run in enumerate(runs):
-            child = run[0] if len(run) == 1 else _folded(run)
-            key = format_key(child.key) if len(run) == 1 else f"{{{run[0].key}..{run[-1].key}}} ×{len(run)}"
+        if fold:
+            shown = [(run[0], key_text(run[0].key)) if len(run) == 1
+                     else (_folded(run), f"{{{run[0].key}..{run[-1].key}}} ×{len(run)}")
+                     for run in _runs(node.children, shape_of)]
+        else:
+            shown = [(child, key_text(child.key)) for child in node.children]
+        last_index = len(shown) - 1
+        for i, (child, key) in enumerate(shown):
             if plain:
                 lead, child_prefix = prefix, prefix + "  "
-                rows.append((lead + key, *cells(child)))
+                rows.append((lead + key, cells(child)))
             else:
                 last = i == last_index
                 lead = prefix + ("└── " if last else "├── ")
                 child_prefix = prefix + ("    " if last else "│   ")
-                rows.append(([(lead, "dim"), (key, "bold" if child.kind == "node" else "")], *cells(child)))
+                rows.append(([(lead, "dim"), (key, "bold" if child.kind == "node" else "")], cells(child)))
             if child.kind == "node" and (depth is None or level < depth):
                 add_children(child, child_prefix, level + 1)
 
     if root.kind != "node":
-        rows.append(("<root>", *_cells(root, stats)))
+        rows.append(("<root>", _cells(root, stats)))
     add_children(root, "", 1)
     return _stats_table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
 
@@ -254,7 +273,7 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
 def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
     cells = _cells_memo(stats)
-    rows = [(node.text_keypath or "<root>", *cells(node)) for node in _summary.leaves(root)]
+    rows = [(node.text_keypath or "<root>", cells(node)) for node in _summary.leaves(root)]
     return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
 
 
@@ -263,12 +282,15 @@ def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> 
 _LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
 
 
-def _stats_table(header: list[str], rows: list, stats: bool, width: int | None) -> Iterable[Line]:
+def _stats_table(header: list[str], rows: list[tuple[Any, list[str]]], stats: bool,
+                 width: int | None) -> Iterable[Line]:
+    """The table of ``show``'s ``(key, cells)`` rows; with stats on a terminal, fitted to its width."""
     right_aligned = {header[i] for i in _right(stats)}
     dropped: list[str] = []
     if stats and width:
-        header, rows, dropped = fit_columns(header, rows, width, _LEAST_USEFUL)
-    lines = table(header, rows, {i for i, name in enumerate(header) if name in right_aligned})
+        header, whole, dropped = fit_columns(header, [(first, *cells) for first, cells in rows], width, _LEAST_USEFUL)
+        rows = [(row[0], row[1:]) for row in whole]
+    lines = keyed_table(header, rows, {i for i, name in enumerate(header) if name in right_aligned})
     return itertools.chain(lines, [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else [])
 
 
