@@ -162,6 +162,81 @@ def test_valid_edge_cases_load_like_the_reference(tmp_path, content):
         assert bits(leaves[name].read()) == bytes(info["data"])
 
 
+_F32 = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+# Headers that only the exact parser reads right, beside what a typed decoder would take
+# the last of or read wrongly: keys twice (plain, escaped, in one entry), -0, odd metadata.
+SNEAKY = {
+    "field_twice_and_missing_elsewhere": ('{"a":{"dtype":"F32","dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+                                          '"b":{"shape":[1],"data_offsets":[4,8]}}', 8),
+    "key_twice_escaped": ('{"w":' + _F32 + ',"\\u0077":' + _F32 + '}', 4),
+    "field_twice_escaped": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"data\\u005foffsets":[0,8]}}', 8),
+    "field_twice_spaced": ('{"a":{"dtype": "F32","shape": [2],"data_offsets": [0,8],"data_offsets" : [0,4]}}', 8),
+    "minus_zero": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}', 4),
+    "metadata_twice": ('{"__metadata__":{"a":"1"},"__metadata__":{"b":"2"},"w":' + _F32 + '}', 4),
+    "metadata_key_twice": ('{"__metadata__":{"a":"1","a":"2"},"w":' + _F32 + '}', 4),
+    "metadata_like_an_entry": ('{"__metadata__":{"dtype":"F32","shape":"x"},"w":' + _F32 + '}', 4),
+    "metadata_null": ('{"__metadata__":null,"w":' + _F32 + '}', 4),
+    "metadata_nested": ('{"__metadata__":{"a":{"b":"c"}},"w":' + _F32 + '}', 4),
+    "tensor_named_dtype": ('{"dtype":' + _F32 + '}', 4),
+    "huge_integer": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,100000000000000000000000]}}', 4),
+    "float_dimension": ('{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}', 4),
+    "zero_dimension_overflowing": ('{"a":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],'
+                                   '"data_offsets":[0,0]}}', 0),
+    "packed_dtype": ('{"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}', 1),
+    "too_many_dimensions": ('{"a":{"dtype":"F32","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,4]}}', 4),
+    "three_offsets": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,8]}}', 4),
+    "dashed_name": ('{"layer-0":' + _F32 + '}', 4),
+    "unicode_name": ('{"couche.é.中":' + _F32 + '}', 4),
+    "indented": (json.dumps({"__metadata__": {"format": "pt"}, "b": _entry(offsets=(4, 8)), "a": _entry()},
+                            indent=2), 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES) + sorted(SNEAKY))
+def test_big_header_decoding_reads_every_header_as_the_exact_parser_does(tmp_path, monkeypatch, name):
+    """Big headers are decoded by msgspec, typed (a 200k-tensor header: 0.8 -> 0.4 s); what
+    that would read differently (a dict keeps the last of a key given twice) must go the
+    exact way, with the same tensors, metadata and errors."""
+    from treecli.formats import safetensors
+
+    if name in SNEAKY:
+        header, data_bytes = SNEAKY[name]
+        content = raw_safetensors(header, b"\0" * data_bytes)
+    else:
+        content = BAD_FILES[name][0]
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(content)
+
+    def outcome():
+        try:
+            return safetensors.read_header(path)[:3]
+        except FormatError as e:
+            return str(e)
+
+    exact = outcome()
+    monkeypatch.setattr(safetensors, "_TYPED_FROM", 0)
+    assert outcome() == exact
+    assert isinstance(exact, str) != (name in ("metadata_null", "metadata_like_an_entry", "dashed_name",
+                                               "unicode_name", "indented", "tensor_named_dtype"))
+
+
+def test_a_big_header_is_decoded_typed_and_reads_as_the_exact_parser_does(tmp_path, monkeypatch):
+    from treecli.formats import safetensors
+
+    tensors = {f"model.layers.{i}.w": np.full((2, 3), i, np.float16) for i in range(14_000)}
+    path = tmp_path / "big.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert int.from_bytes(path.read_bytes()[:8], "little") >= safetensors._TYPED_FROM
+    typed = safetensors._typed_header
+    calls = []
+    monkeypatch.setattr(safetensors, "_typed_header", lambda *a: calls.append(typed(*a)) or calls[-1])
+    fast = safetensors.read_header(path)[:3]
+    assert calls and calls[0] is not None  # taken, not sent the exact way
+    monkeypatch.setattr(safetensors, "_TYPED_FROM", 2**40)
+    assert safetensors.read_header(path)[:3] == fast
+    assert fast[1] == {"format": "pt"} and len(fast[0]) == len(tensors)
+
+
 # --- sharded checkpoints --------------------------------------------------------------------
 
 
