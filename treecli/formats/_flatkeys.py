@@ -21,22 +21,28 @@ def nest(items: list[tuple[str, Any]], separator: str) -> tuple[dict, str | None
     """
     root: dict = {}
     inner: dict[str, dict] = {}  # "a.b" -> the dict at a.b: sibling keys share it without a walk
+
+    def node_at(prefix: str) -> dict | None:
+        """The dict at ``prefix``, made (with its parents) if new; None where a leaf is in the way."""
+        node = inner.get(prefix)
+        if node is None:
+            parent_prefix, sep, last = prefix.rpartition(separator)
+            parent = node_at(parent_prefix) if sep else root
+            node = None if parent is None else parent.setdefault(last, {})
+            if not isinstance(node, dict):
+                return None
+            inner[prefix] = node
+        return node
+
     for key, leaf in items:
         prefix, sep, last = key.rpartition(separator)
         node = inner.get(prefix) if sep else root
-        if node is None:  # the first key under this prefix: walk (and make) its path
-            node = root
-            parts = prefix.split(separator)
-            if len(parts) >= _tree.MAX_DEPTH:
-                return {k: v for k, v in items}, (f"key {key!r} has {len(parts) + 1} segments, more levels than "
-                                                  f"treecli nests ({_tree.MAX_DEPTH}); showing keys flat")
-            for part in parts:
-                child = node.setdefault(part, {})
-                if not isinstance(child, dict):  # `a` is a leaf and `a.b` wants it as a node
-                    return _flat(items, key, separator)
-                node = child
-            inner[prefix] = node
-        if last in node:  # `a.b` made `a` a node, or a duplicate
+        if node is None:  # the first key under this prefix
+            if prefix.count(separator) + 2 > _tree.MAX_DEPTH:
+                return {k: v for k, v in items}, (f"key {key!r} has {prefix.count(separator) + 2} segments, more "
+                                                  f"levels than treecli nests ({_tree.MAX_DEPTH}); showing keys flat")
+            node = node_at(prefix)
+        if node is None or last in node:  # `a` is a leaf and `a.b` wants it as a node; `a.b` made `a` a node
             return _flat(items, key, separator)
         node[last] = leaf
     return root, None
