@@ -220,10 +220,68 @@ def test_big_header_decoding_reads_every_header_as_the_exact_parser_does(tmp_pat
                                                "unicode_name", "indented", "tensor_named_dtype"))
 
 
+INDEXES = [
+    '{"metadata": {"total_size": 8}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "x.safetensors"}}',
+    '{"weight_map": {"a": "s1", "a": "s2"}}',  # a key twice
+    '{"weight_map": {"a": "s1", "\\u0061": "s2"}}',  # ... once escaped
+    '{"metadata": {"n": 1, "n": 2}, "weight_map": {"a": "s1"}}',  # twice elsewhere
+    '{"weight_map": {"a": "s1"}, "weight_map": {"b": "s2"}}',
+    '{"metadata": {"x": [{"k": 1, "k": 2}]}, "weight_map": {"a": "s1"}}',  # deep inside
+    '{"metadata": {"total_size": -0}, "weight_map": {"a": "s1"}}',
+    '{"metadata": {"total_size": NaN}, "weight_map": {"a": "s1"}}',
+    '{"metadata": {"total_size": 1e400}, "weight_map": {"a": "s1"}}',
+    '{"metadata": {"note": "a \\"quoted\\" word"}, "weight_map": {"a": "s1"}}',
+    '{"weight_map": {"a": 1}}', '{"weight_map": []}', "[]", '"text"', "-0", "null", '{"weight_map": {"a": "s1"}',
+]
+
+
+@pytest.mark.parametrize("text", INDEXES)
+def test_big_index_decoding_reads_every_index_as_the_exact_parser_does(monkeypatch, text):
+    """Big shard indexes (an MoE model's: 90k tensors) are decoded by msgspec where that reads
+    them as the exact parser would: keys given twice anywhere, -0 and escapes go the exact way."""
+    from treecli.formats import safetensors
+
+    def outcome():
+        try:
+            return safetensors._parse_json(text, "model.safetensors.index.json")
+        except FormatError as e:
+            return str(e)
+
+    exact = outcome()
+    monkeypatch.setattr(safetensors, "_TYPED_FROM", 0)
+    assert outcome() == exact
+
+
+def test_a_big_sharded_checkpoint_opens_typed_as_it_opens_exactly(tmp_path, monkeypatch):
+    from treecli.formats import safetensors
+
+    directory = tmp_path / "moe"
+    directory.mkdir()
+    weight_map = {}
+    for shard in range(3):
+        name = f"model-{shard + 1:05d}-of-00003.safetensors"
+        tensors = {f"model.layers.{shard}.mlp.experts.{e}.down_proj.weight_scale_inv": np.full(2, e, np.float32)
+                   for e in range(500)}
+        save_file(tensors, str(directory / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert len(json.dumps(weight_map)) >= safetensors._TYPED_FROM
+    assert safetensors._plain_json((directory / "model.safetensors.index.json").read_text()) is not None
+
+    def opened():
+        with treecli.open(directory) as ckpt:
+            return {name: (leaf.offset, leaf.shape, leaf.dtype_name, bits(leaf.read()))
+                    for name, leaf in flat_leaves(ckpt.tree).items()}
+
+    typed = opened()
+    monkeypatch.setattr(safetensors, "_TYPED_FROM", 2**40)
+    assert opened() == typed and len(typed) == 1500
+
+
 def test_a_big_header_is_decoded_typed_and_reads_as_the_exact_parser_does(tmp_path, monkeypatch):
     from treecli.formats import safetensors
 
-    tensors = {f"model.layers.{i}.w": np.full((2, 3), i, np.float16) for i in range(14_000)}
+    tensors = {f"model.layers.{i}.w": np.full((2, 3), i, np.float16) for i in range(2_000)}
     path = tmp_path / "big.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
     assert int.from_bytes(path.read_bytes()[:8], "little") >= safetensors._TYPED_FROM
