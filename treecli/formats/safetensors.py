@@ -296,10 +296,15 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
 def _has_negative_number(raw: bytes | str) -> bool:
     """A ``-`` starting a number (first, or after ``[``, ``,``, ``:`` or a space) in JSON
     bytes or text; one in a string only sends it down the exact path."""
-    starts = ("-", "[-", ",-", ":-", " -", "\t-", "\r-", "\n-")
-    if isinstance(raw, bytes):
-        starts = tuple(start.encode() for start in starts)
-    return raw.startswith(starts[0]) or any(start in raw for start in starts[1:])
+    # One pass of memchr per dash: searching for each two-byte start ("[-", ":-", ...) took
+    # 20 ms apiece on a 22 MB header.
+    minus, before = (b"-", b"[,: \t\r\n") if isinstance(raw, bytes) else ("-", "[,: \t\r\n")
+    at = raw.find(minus)
+    while at != -1:
+        if at == 0 or raw[at - 1 : at] in before:
+            return True
+        at = raw.find(minus, at + 1)
+    return False
 
 
 @functools.lru_cache(maxsize=1)
