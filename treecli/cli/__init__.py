@@ -8,6 +8,7 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -186,22 +187,23 @@ def _print_error(headline: str, details: list[str] = ()) -> None:
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    The process ends with the command, so the cyclic collector stays off throughout (in
+    ``main`` it is paused only) and the exit skips the interpreter's teardown: a last
+    collection and freeing a big tree object by object, 0.15-0.3 s of showing a 200k-tensor
+    header. Every output is fsynced and closed by the time ``main`` returns, and no treecli
+    thread outlives it; stdout and stderr are flushed here.
+    """
+    gc.disable()
     code = main()
     try:
         sys.stdout.flush()
-    except BrokenPipeError:  # `treecli show big | head` closed the pipe
-        _silence_stdout()
+    except BrokenPipeError:  # `treecli show big | head` closed the pipe: not an error
+        pass
     except OSError as e:  # `treecli show big > file` on a full disk: not a success
-        _silence_stdout()
         _print_error(f"cannot write standard output: {e.strerror or e}")
         code = code or ExitStatus.ERROR
-    sys.exit(code)
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's own flush at exit does not
-    fail again on the closed pipe or full disk (and print a traceback)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    os._exit(code)
