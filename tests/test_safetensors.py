@@ -252,6 +252,51 @@ def test_big_index_decoding_reads_every_index_as_the_exact_parser_does(monkeypat
     assert outcome() == exact
 
 
+_JSON_KEYS = st.sampled_from(['"a"', '"b"', '"\\u0061"', '"dtype"', '"shape"', '"data_offsets"', '"__metadata__"',
+                              '"a-0"', '"x"'])
+_JSON_VALUES = st.sampled_from(['"F32"', '"U8"', '"F4"', '[1]', '[2]', '[0]', '[-0]', '[1.0]', '[0, 4]', '[4, 8]',
+                                '[0, 4, 8]', '[-4, 0]', '{}', 'null', 'true', '"text"', '18446744073709551616'])
+
+
+@st.composite
+def _json_objects(draw, depth=0):
+    """JSON object text from a small alphabet: keys twice, escaped, fields missing or odd."""
+    members = []
+    for _ in range(draw(st.integers(0, 4))):
+        value = draw(_json_objects(depth + 1)) if depth < 2 and draw(st.booleans()) else draw(_JSON_VALUES)
+        members.append(f"{draw(_JSON_KEYS)}{draw(st.sampled_from([':', ': ', ' :']))}{value}")
+    return "{" + ",".join(members) + "}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=_json_objects(), data_bytes=st.sampled_from([0, 4, 8, 12]))
+def test_typed_header_decoding_never_reads_a_header_otherwise_than_the_exact_parser(tmp_path_factory, header,
+                                                                                     data_bytes):
+    from treecli.formats import safetensors
+
+    content = raw_safetensors(header, b"\0" * data_bytes)
+    size = len(content)
+
+    def outcome(typed_from):
+        original = safetensors._TYPED_FROM
+        safetensors._TYPED_FROM = typed_from
+        try:
+            return safetensors.parse_header(lambda offset, count: content[offset:offset + count], size, "f")
+        except FormatError as e:
+            return str(e)
+        finally:
+            safetensors._TYPED_FROM = original
+
+    assert outcome(0) == outcome(2**40)
+    text = "{" + header[1:] if header.startswith("{") else header
+    try:
+        exact_index = safetensors._as_dict(safetensors._parse_pairs(text, "f"), "f")
+    except FormatError:
+        exact_index = None
+    plain = safetensors._plain_json(text)
+    assert plain is None or plain == exact_index
+
+
 def test_a_big_sharded_checkpoint_opens_typed_as_it_opens_exactly(tmp_path, monkeypatch):
     from treecli.formats import safetensors
 
