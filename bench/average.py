@@ -16,7 +16,11 @@ against references measured in the same run:
 
 Wall time is the median of --runs; peak RSS is the child's ru_maxrss (for mergekit,
 that of the process it starts), as /usr/bin/time -v reports it. Page cache warm for all.
+Beside each, the largest error of its output in units in the last place of the output's
+dtype, against the weighted mean computed in float64 (the accuracy oracle: 0.5 ulp, a
+correctly rounded result).
 Targets (issue 5): wall <= 1.25x (b); peak RSS <= 200 MB and flat when the model doubles.
+Issue 19: fp32 average <= 1.1x streaming+fsync, still within 0.5 ulp.
 """
 
 from __future__ import annotations
@@ -114,6 +118,36 @@ print(json.dumps({"seconds": elapsed, "rss_mb": rss / 1024}))
 '''
 
 
+# The largest error of an output in ulps of its dtype, a leaf at a time.
+ACCURACY = r'''
+import contextlib, sys
+import ml_dtypes  # noqa: F401  (bfloat16 outputs)
+import numpy as np
+from safetensors import safe_open
+out, *inputs = sys.argv[1:]
+weights = [1.0, 2.0, 3.0]
+worst = 0.0
+with contextlib.ExitStack() as stack:
+    result = stack.enter_context(safe_open(out, "numpy"))
+    sources = [stack.enter_context(safe_open(p, "numpy")) for p in inputs]
+    for key in result.keys():
+        got = result.get_tensor(key)
+        mantissa_bits = {4: 23, 2: 7}[got.dtype.itemsize]  # float32, bfloat16
+        reference = sum(w * s.get_tensor(key).astype(np.float64) for w, s in zip(weights, sources)) / sum(weights)
+        ulp = np.ldexp(1.0, np.frexp(reference)[1] - 1 - mantissa_bits)
+        worst = max(worst, float(np.max(np.abs(got.astype(np.float64) - reference) / ulp)))
+print(worst)
+'''
+
+
+def max_ulp_error(out: Path, inputs: list[Path]) -> float:
+    result = subprocess.run([sys.executable, "-c", ACCURACY, str(out), *map(str, inputs)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        sys.exit(f"measuring the error of {out.name} failed:\n{result.stderr[-3000:]}")
+    return float(result.stdout)
+
+
 def run(mode: str, out: Path, inputs: list[Path], env: dict[str, str]) -> dict:
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -149,13 +183,14 @@ def main() -> None:
                 runs = [run(mode, tmp / f"out-{mode}.safetensors", inputs, env)
                         for _ in range(1 if mode in ("tutorial", "mergekit") else args.runs)]
                 results[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                results[mode]["ulp"] = max_ulp_error(tmp / f"out-{mode}.safetensors", inputs)
             size = inputs[0].stat().st_size / 2**30
             print(f"\n3 x {size:.2f} GiB {dtype}")
-            print(f"{'':<16} {'wall':>8} {'peak RSS':>10} {'vs streaming':>13} {'vs +fsync':>10}")
+            print(f"{'':<16} {'wall':>8} {'peak RSS':>10} {'vs streaming':>13} {'vs +fsync':>10} {'max error':>10}")
             ref, ref_sync = results["streaming"]["seconds"], results["streaming+fsync"]["seconds"]
             for mode, r in results.items():
                 print(f"{mode:<16} {r['seconds']:>7.2f}s {r['rss_mb']:>8.0f}MB {r['seconds'] / ref:>12.2f}x "
-                      f"{r['seconds'] / ref_sync:>9.2f}x")
+                      f"{r['seconds'] / ref_sync:>9.2f}x {r['ulp']:>7.3f} ulp")
             if "mergekit" not in results:
                 print("mergekit: not found; give --mergekit PATH/mergekit-pytorch to include it (see --help)")
 
