@@ -3,12 +3,15 @@
     pip install atheris
     python fuzz/fuzz_formats.py safetensors -max_total_time=600 fuzz/corpus/safetensors
     python fuzz/fuzz_formats.py npz|msgpack|index|eqx -max_total_time=600
+    python fuzz/fuzz_formats.py typed -max_total_time=600 fuzz/corpus/typed
 
 The only allowed outcome for any input is treecli's own error class; and
 whatever treecli accepts, the reference must accept with the same bytes:
 `safetensors.deserialize`, `np.load(allow_pickle=False)` for npz, Flax's
 `msgpack_restore` for msgpack. Anything else is a crash atheris reports, with the
-input saved as `crash-*` (commit minimized ones as regression tests).
+input saved as `crash-*` (commit minimized ones as regression tests). `typed` reads
+each input (a safetensors file, and its header as an index's JSON) through msgspec's fast
+paths and through the exact parser: their results, or their errors, must be the same.
 
 treecli imports its format modules lazily, so they are imported here, inside
 `instrument_imports`: imported later, the parsers would run uninstrumented and
@@ -48,7 +51,7 @@ with atheris.instrument_imports():
 
 FORMAT = sys.argv.pop(1) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "safetensors"
 SUFFIX = {"safetensors": ".safetensors", "npz": ".npz", "msgpack": ".msgpack", "eqx": ".eqx",
-          "index": "model.safetensors.index.json"}[FORMAT]
+          "index": "model.safetensors.index.json", "typed": ".safetensors"}[FORMAT]
 WORKDIR = tempfile.mkdtemp(prefix="treecli-fuzz-")
 PATH = os.path.join(WORKDIR, SUFFIX if FORMAT == "index" else "input" + SUFFIX)
 if FORMAT == "index":  # a real shard for the index to point at
@@ -87,7 +90,28 @@ def reference(data: bytes, ours: dict) -> dict | None:
     return None
 
 
+def read_both_ways(data: bytes) -> None:
+    """The typed (msgspec) and exact readings of a header, and of its JSON as an index, agree."""
+    from treecli.formats import safetensors
+
+    def outcome(parse, typed_from):
+        safetensors._TYPED_FROM = typed_from
+        try:
+            return parse()
+        except TreecliError as e:
+            return str(e)
+
+    header = lambda: safetensors.parse_header(lambda offset, count: data[offset:offset + count], len(data), "f")
+    assert outcome(header, 0) == outcome(header, 2**40), "the typed header path read otherwise than the exact one"
+    text = data[8:].decode("utf-8", "replace")
+    index = lambda: safetensors._parse_json(text, "f")
+    assert outcome(index, 0) == outcome(index, 2**40), "the plain index path read otherwise than the exact one"
+
+
 def test_one_input(data: bytes) -> None:
+    if FORMAT == "typed":
+        read_both_ways(data)
+        return
     with open(PATH, "wb") as f:
         f.write(data)
     try:
@@ -109,7 +133,7 @@ def seeds() -> None:
     if not corpus or os.path.isfile(corpus) or (os.path.isdir(corpus) and os.listdir(corpus)):
         return  # a crash file to replay, or a corpus that has inputs already
     os.makedirs(corpus, exist_ok=True)
-    if FORMAT == "safetensors":
+    if FORMAT in ("safetensors", "typed"):
         from safetensors.numpy import save
 
         blob = save({"a.w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.int8)}, metadata={"k": "v"})

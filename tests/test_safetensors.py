@@ -172,6 +172,9 @@ SNEAKY = {
     "field_twice_escaped": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"data\\u005foffsets":[0,8]}}', 8),
     "field_twice_spaced": ('{"a":{"dtype": "F32","shape": [2],"data_offsets": [0,8],"data_offsets" : [0,4]}}', 8),
     "minus_zero": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}', 4),
+    # found by fuzz/fuzz_formats.py typed: a field the typed decoder skips, given twice
+    "unknown_field_twice": ('{"a":{"dtype":"F32","s0ape":[6],"s0ape":[6],"shape":[1],"data_offsets":[0,4]}}', 4),
+    "unknown_field": ('{"a":{"dtype":"F32","extra":"x","shape":[1],"data_offsets":[0,4]}}', 4),
     "metadata_twice": ('{"__metadata__":{"a":"1"},"__metadata__":{"b":"2"},"w":' + _F32 + '}', 4),
     "metadata_key_twice": ('{"__metadata__":{"a":"1","a":"2"},"w":' + _F32 + '}', 4),
     "metadata_like_an_entry": ('{"__metadata__":{"dtype":"F32","shape":"x"},"w":' + _F32 + '}', 4),
@@ -217,7 +220,7 @@ def test_big_header_decoding_reads_every_header_as_the_exact_parser_does(tmp_pat
     monkeypatch.setattr(safetensors, "_TYPED_FROM", 0)
     assert outcome() == exact
     assert isinstance(exact, str) != (name in ("metadata_null", "metadata_like_an_entry", "dashed_name",
-                                               "unicode_name", "indented", "tensor_named_dtype"))
+                                               "unicode_name", "indented", "tensor_named_dtype", "unknown_field"))
 
 
 INDEXES = [

@@ -250,11 +250,12 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
     checked the fast way; None for anything else (an escape, a negative number, a key
     twice, an entry out of the ordinary), which the exact path then reads and names.
 
-    A JSON object decoded into a dict keeps the last of duplicate keys. Here no key can
-    hide that way: without a backslash every key is spelled literally, so each entry
-    (and every duplicate, decoded and dropped) holds at least one ``"data_offsets"``
-    token, one ``"dtype"`` and one ``"shape"``, and their counts must equal the number of
-    entries (a field given twice in one entry counts too)."""
+    A JSON object decoded into a dict keeps the last of duplicate keys, and a struct skips
+    fields it does not know. Neither can hide anything here: without a backslash every
+    quote delimits a string, and the quotes must number exactly twice the strings decoded
+    (each key, and per entry its three field names and its dtype) plus those of the
+    metadata, which the exact parser reads. A key given twice, or a field decoding skipped,
+    leaves quotes over."""
     if b"\\" in raw or _has_negative_number(raw):
         return None
     entries_decoder, top_decoder, decode_error = _typed_decoders()
@@ -264,8 +265,7 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
     except decode_error:
         return None
     count = len(entries) - ("__metadata__" in entries)
-    if (raw.count(b'"__metadata__"') > 1
-            or any(raw.count(token) != count for token in (b'"data_offsets"', b'"dtype"', b'"shape"'))):
+    if raw.count(b'"') != 2 * (len(entries) + 4 * count) + bytes(metadata_raw).count(b'"'):
         return None
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     codes, itemsizes, prod = _CODES, _ITEMSIZE, math.prod
