@@ -101,10 +101,13 @@ def read_both_ways(data: bytes) -> None:
         except TreecliError as e:
             return str(e)
 
-    header = lambda: safetensors.parse_header(lambda offset, count: data[offset:offset + count], len(data), "f")
+    def header():
+        return safetensors.parse_header(lambda offset, count: data[offset:offset + count], len(data), "f")
+
+    def index():
+        return safetensors._parse_json(data[8:].decode("utf-8", "replace"), "f")
+
     assert outcome(header, 0) == outcome(header, 2**40), "the typed header path read otherwise than the exact one"
-    text = data[8:].decode("utf-8", "replace")
-    index = lambda: safetensors._parse_json(text, "f")
     assert outcome(index, 0) == outcome(index, 2**40), "the plain index path read otherwise than the exact one"
 
 
