@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from .conftest import assert_clean_error, raw_safetensors
@@ -169,3 +170,14 @@ def test_show_on_a_terminal_draws_guides_with_styles_and_crops_to_its_width(mixe
     assert max(map(len, visible)) == 30
     assert any(line.endswith("…") for line in visible)
     assert len(narrow) == len(wide)  # cropped, never wrapped
+
+
+@pytest.mark.parametrize("args", [[], ["--flat"], ["--depth", "1"]])
+def test_a_checkpoint_without_tensors_shows_its_empty_table(cli, tmp_path, args):
+    path = tmp_path / "none.safetensors"
+    save_file({}, str(path), metadata={"note": "nothing yet"})
+    result = cli("show", path, *args)
+    assert result.code == 0, result.stderr
+    assert "0 arrays" in result.stdout and "nothing yet" in result.stdout
+    header = ["key", "path"] if args == ["--flat"] else ["key"]
+    assert header + ["shape", "dtype", "params", "size"] in [line.split() for line in result.stdout.splitlines()]

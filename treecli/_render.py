@@ -92,7 +92,7 @@ def keyed_table(header: list[str], rows: list[tuple[str | list[Segment], Sequenc
     head_tail = tail.format(*header[1:]).rstrip()
     firsts = [first for first, _ in rows]
     lengths = [len(c) if type(c) is str else sum(len(text) for text, _ in c) for c in firsts]
-    width = max(len(header[0]), *lengths)
+    width = max([len(header[0]), *lengths])
     pad = str.rjust if 0 in right else str.ljust
     if all(type(first) is str for first in firsts):
         lines = (pad(first, width) + tails[id(cells)] for first, cells in rows)
