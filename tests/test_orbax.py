@@ -212,3 +212,17 @@ def test_non_ocdbt_checkpoints_read_too(tmp_path):
     leaves = leaves_of(treecli.load(path))
     assert leaves["w"].read().tolist() == [[0, 1, 2], [3, 4, 5]]
     assert leaves["b"].dtype_name == "bfloat16" and leaves["n"] == 3
+
+
+@pytest.mark.parametrize("strings", ["[1, 2]", '{"name": [1]}', '{"name": {"k": "v"}}', '"tiny"'])
+def test_a_strings_file_of_other_json_is_one_clear_line(cli, tmp_path, strings):
+    """_strings.json holds the tree's string leaves by name: anything but an object of
+    strings is refused, naming the file, never an internal error or a string turned list."""
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer().save(str(path), {"w": np.ones(2, np.float32), "name": "tiny"})
+    (path / "_strings.json").write_text(strings)
+    result = cli("show", path)
+    assert_clean_error(result, "_strings.json", "object of strings")
+    assert "Error:" not in result.stderr  # no internal exception's name

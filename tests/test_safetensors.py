@@ -117,6 +117,9 @@ BAD_FILES = {
     "nan_literal": (raw_safetensors('{"a": NaN}'), "NaN"),
     "deep_nesting": (raw_safetensors("[" * 100_000 + "]" * 100_000), "nested too deeply"),
     "unknown_dtype": (raw_safetensors({"a": _entry(dtype="F128")}, b"\0" * 4), "unknown dtype"),
+    # found by hypothesis (typed against exact): a dtype that is a list or an object was an internal TypeError
+    "list_dtype": (raw_safetensors({"a": _entry(dtype=[1])}, b"\0" * 4), "unknown dtype"),
+    "object_dtype": (raw_safetensors({"a": _entry(dtype={"k": "F32"})}, b"\0" * 4), "unknown dtype"),
     "metadata_not_str": (raw_safetensors({"__metadata__": {"a": 1}}), "__metadata__"),
     "missing_shape": (raw_safetensors({"a": {"dtype": "F32", "data_offsets": [0, 4]}}, b"\0" * 4), "'shape'"),
     "bad_shape": (raw_safetensors({"a": _entry(shape=(-1,))}, b"\0" * 4), "shape"),

@@ -210,6 +210,9 @@ def _open_pytree(directory: Folder, checkpoint: Checkpoint) -> Any:
     if not isinstance(tree_metadata, dict):
         raise FormatError("_METADATA has no tree_metadata object (missing or corrupt)", file=directory.name)
     strings = _read_json(directory, "_strings.json") if directory.is_file("_strings.json") else {}
+    if not isinstance(strings, dict) or not all(isinstance(v, str) for v in strings.values()):
+        raise FormatError("_strings.json is not an object of strings (the string leaves by name)",
+                          file=f"{directory.name}/_strings.json")
     entries = []
     for raw, entry in tree_metadata.items():
         try:

@@ -496,7 +496,7 @@ def _check_entry_fields(name: str, info: Any, file: str) -> tuple[str, tuple[int
         if field not in info:
             raise FormatError(f"tensor entry has no {field!r}", file=file, keypath=name)
     code = info["dtype"]
-    if code in _PACKED_CODES:
+    if isinstance(code, str) and code in _PACKED_CODES:
         raise FormatError(f"dtype {code} packs several values per byte; treecli does not read it yet", file=file, keypath=name)
     if not isinstance(code, str) or code not in _CODES:
         raise FormatError(f"unknown dtype {code!r} (known: {', '.join(_CODES)})", file=file, keypath=name)
