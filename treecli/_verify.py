@@ -61,24 +61,20 @@ def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | 
             {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
 
 
-def verifier(tree: Any, fmt: Any, dropped_allowed: bool,
-             progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None,
-             leaf_order: list | None = None) -> "Verifier":
-    """A check of a finished temporary against ``tree``, raising on any difference.
+class Verifier:
+    """A check of a finished temporary against ``tree``, raising on any difference; called
+    with the temporary. Leaves are compared with the source, except those costly to read
+    again (an Orbax array, decompressed whole): the writer records the digest of what it
+    wrote for them in ``digests`` (by the leaf's ``id``), and the output's bytes are checked
+    against that, so the source is read once.
 
     ``progress(description, total_bytes)``, when given, is a context giving an
     ``advance(nbytes)`` callable (a progress bar: the check reads everything twice).
     """
-    return Verifier(tree, fmt, dropped_allowed, progress, leaf_order)
 
-
-class Verifier:
-    """Called with the finished temporary. Leaves are compared with the source, except
-    those costly to read again (an Orbax array, decompressed whole): the writer records
-    the digest of what it wrote for them in ``digests`` (by the leaf's ``id``), and the
-    output's bytes are checked against that, so the source is read once."""
-
-    def __init__(self, tree: Any, fmt: Any, dropped_allowed: bool, progress: Any, leaf_order: list | None):
+    def __init__(self, tree: Any, fmt: Any, dropped_allowed: bool,
+                 progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None,
+                 leaf_order: list | None = None):
         self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
         self._progress, self._leaf_order = progress, leaf_order
         self.digests: dict[int, tuple[Any, tuple[int, int]]] = {}  # id(leaf): (leaf, digest)

@@ -45,7 +45,7 @@ def convert(
     from treecli import _dtypes, _leaf, _tree
     from treecli._edit import EditReport, cast_leaf
     from treecli._keypath import format_keypath
-    from treecli._verify import verifier
+    from treecli._verify import Verifier
     from treecli.formats import is_url, output_format
 
     out = Output(quiet=quiet)
@@ -59,7 +59,7 @@ def convert(
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
-        verify = None if no_verify or is_url(target) else verifier(
+        verify = None if no_verify or is_url(target) else Verifier(
             tree, output_format(Path(target), format, ckpt.format)[0], drop_unsupported, progress=out.progress,
             leaf_order=ckpt.leaf_order)
         write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
