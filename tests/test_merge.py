@@ -113,9 +113,11 @@ def spy(monkeypatch, cls, name) -> list:
 
 def test_ties_on_a_sampled_leaf_counts_near_the_estimate_in_one_pass(monkeypatch):
     """A leaf larger than the sample: the threshold comes from one pass that counts the keys
-    above the sample's estimate and records those near it, ties at the cut included."""
+    above the sample's estimate and records those near it, ties at the cut included (found
+    again in the one block of many that holds the cut)."""
     monkeypatch.setattr(_merge._Trims, "SAMPLE", 4096)
     monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 512)
+    monkeypatch.setattr(_merge._Trims, "BLOCK", 10_000)
     radix = spy(monkeypatch, _merge._Trims, "_radix")
     rng = np.random.default_rng(2)
     n = 3 * SUB_CHUNK + 999

@@ -232,14 +232,15 @@ _scratch = threading.local()
 
 
 @contextlib.contextmanager
-def scratch_buffers(count: int = 3) -> Iterator[list]:
-    """``count`` work buffers of SUB_CHUNK float64s (as bytes), reused by this thread from
+def scratch_buffers(count: int = 3, elements: int = SUB_CHUNK) -> Iterator[list]:
+    """``count`` work buffers of ``elements`` float64s (as bytes), reused by this thread from
     chunk to chunk: fresh memory per step costs more than the arithmetic. (An average of
-    averages nests: each level takes its own set.)"""
+    averages nests: each level takes its own set.) Pages a caller never touches are never
+    resident."""
     import numpy as np
 
-    free = _scratch.__dict__.setdefault(count, [])
-    buffers = free.pop() if free else [np.empty(SUB_CHUNK * 8, np.uint8) for _ in range(count)]
+    free = _scratch.__dict__.setdefault((count, elements), [])
+    buffers = free.pop() if free else [np.empty(elements * 8, np.uint8) for _ in range(count)]
     try:
         yield buffers
     finally:
