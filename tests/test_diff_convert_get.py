@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -54,6 +56,38 @@ def test_diff_finds_one_changed_byte_anywhere_in_files_of_many_chunks(tmp_path, 
         assert [c.keypath for c in result.changed] == ["w"], position
         assert result.changed[0].max_abs_diff > 0
     assert diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "a.safetensors")).equal
+
+
+def test_diff_reads_both_files_at_once_and_a_failed_read_leaves_no_buffer_in_use(tmp_path, monkeypatch):
+    """The two files' chunks are read side by side on two threads; when one read fails
+    midway the error surfaces and the next diff, reusing the buffers, is still right."""
+    from treecli._bytes import stream
+    from treecli.formats._filedata import FileArrayLeaf
+
+    size = 3 * 1024 * 1024 + 5  # float32: three chunks and a bit
+    save_file({"w": np.arange(size, dtype=np.float32)}, str(tmp_path / "a.safetensors"))
+    changed = np.arange(size, dtype=np.float32)
+    changed[-1] += 1
+    save_file({"w": changed}, str(tmp_path / "b.safetensors"))
+    threads, calls = set(), []
+    original = FileArrayLeaf.read_into
+
+    def failing(self, start, stop, out):
+        threads.add(threading.current_thread().name)
+        calls.append(start)
+        if len(calls) == 4:
+            raise OSError("disk went away")
+        original(self, start, stop, out)
+
+    monkeypatch.setattr(FileArrayLeaf, "read_into", failing)
+    a, b = treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors")
+    with pytest.raises(OSError, match="disk went away"):
+        diff(a, b)
+    assert len(threads) == 2
+    spare = len(stream._spare_buffers)
+    result = diff(a, b)
+    assert [c.keypath for c in result.changed] == ["w"] and result.changed[0].max_abs_diff == 1.0
+    assert len(stream._spare_buffers) == spare
 
 
 def test_convert_safetensors_to_orbax_and_back_verifies_bit_exactness(cli, mixed_file, tmp_path):

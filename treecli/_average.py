@@ -270,7 +270,7 @@ def _equal(a: Any, b: Any) -> bool:
     """Bit-exact equality of two leaves (arrays chunk by chunk; NaN equals NaN for scalars)."""
     if _leaf.is_array(a):
         a, b = _leaf.as_leaf(a), _leaf.as_leaf(b)
-        return all(_diff.same_bytes(x, y) for x, y in zip(stream.iter_chunks(a), stream.iter_chunks(b)))
+        return all(_diff.same_bytes(x, y) for x, y in stream.paired_chunks(a, b))
     return _tree.values_equal(a, b)
 
 

@@ -105,7 +105,7 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
     max_abs = max_rel = 0.0
     # Chunks come in reused buffers, read ahead on another thread; equal bytes are found
     # at memory speed, and only chunks whose bytes differ are widened to float64.
-    for cx, cy in zip(stream.iter_chunks(x), stream.iter_chunks(y)):
+    for cx, cy in stream.paired_chunks(x, y):
         if progress:
             progress(cx.nbytes + cy.nbytes)
         if exact:
