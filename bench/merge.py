@@ -1,7 +1,9 @@
 """Benchmark: `treecli merge`, each method, on three ~1 GiB fp32 fine-tunes of a ~1 GiB
 base, against references measured in the same run:
 
-  (a) `treecli average` of the three fine-tunes: one streaming pass, the floor;
+  (a) `treecli average`, one streaming pass, the floor: of the three fine-tunes, and of
+      the method's own inputs (the base and its models: the same bytes to read), each
+      taken in turns with the method;
   (b) mergekit's same method (`mergekit-pytorch`, which takes plain safetensors files),
       from a venv of its own with a CPU torch:
         python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit
@@ -14,7 +16,7 @@ base, against references measured in the same run:
 Wall time is the median of --runs (mergekit: one run); peak RSS is the child's
 ru_maxrss (for mergekit, that of the process it starts). Page cache warm for all.
 Targets (issue 18): every method >= 5x faster than mergekit's; TIES <= 2.5x the time of
-`average`; peak RSS <= 200 MB and flat when the model doubles (run with --gib 2).
+`average` on the same inputs; peak RSS <= 200 MB and flat when the model doubles (--gib 2).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ if tool == "treecli":
     from treecli.cli import main
     if method == "average":
         args = ["average", *models]
+    elif method == "average-with-base":
+        args = ["average", base, *models]
     else:
         args = ["merge", "--method", method, "--base", base, *models]
         for name, value in params.items():
@@ -130,15 +134,25 @@ def main() -> None:
             results = [run(tool, method, tmp / f"{tool}-{method}.safetensors", base, models, env) for _ in range(runs)]
             return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
-        floor = median("treecli", "average", fts, args.runs)
+        def interleaved(jobs: list[tuple[str, list[Path]]]) -> list[dict]:
+            """Medians of --runs of each (method, inputs), taken in turns: the machine's drift
+            falls on all of them alike."""
+            results: list[list[dict]] = [[] for _ in jobs]
+            for _ in range(args.runs):
+                for got, (method, models) in zip(results, jobs):
+                    got.append(run("treecli", method, tmp / f"treecli-{method}.safetensors", base, models, env))
+            return [{k: statistics.median(r[k] for r in got) for k in got[0]} for got in results]
+
         print(f"base + 3 fine-tunes, {base.stat().st_size / 2**30:.2f} GiB each, fp32")
-        print(f"{'':<24} {'wall':>8} {'peak RSS':>10} {'vs average':>11}")
-        print(f"{'treecli average':<24} {floor['seconds']:>7.2f}s {floor['rss_mb']:>8.0f}MB {1:>10.2f}x")
+        print("vs average: of the 3 fine-tunes / of the method's own inputs (the base and its models)")
+        print(f"{'':<24} {'wall':>8} {'peak RSS':>10} {'vs average':>15}")
         for method in args.methods.split(","):
             models = fts[:1] if method == "slerp" else fts
-            ours = median("treecli", method, models, args.runs)
+            # "average" of the inputs: the base is passed to the child as the first of them
+            three, own, ours = interleaved([("average", fts), ("average-with-base", models), (method, models)])
             line = (f"{'treecli ' + method:<24} {ours['seconds']:>7.2f}s {ours['rss_mb']:>8.0f}MB "
-                    f"{ours['seconds'] / floor['seconds']:>10.2f}x")
+                    f"{ours['seconds'] / three['seconds']:>6.2f}x / {ours['seconds'] / own['seconds']:.2f}x"
+                    f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s)")
             if args.mergekit:
                 theirs = median("mergekit", method, models, 1)
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
