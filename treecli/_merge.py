@@ -30,10 +30,10 @@ instead: one pass histograms the high 16 bits, a second the low 16 bits inside t
 bin that holds the ``k``-th. When values equal to the ``k``-th straddle the cut, the
 first ones in element order are kept (mergekit's ``topk`` keeps an unspecified set):
 the counting pass finds where the cut lies by reading again the one block that holds
-it, the radix passes from what they recorded or, failing that, by a third pass. DARE's coin flips
-come from a counter-based generator (SplitMix64's mixer) keyed by the seed, the
-leaf's key path and the model, at each element's offset: the same bytes whatever
-the chunk size or thread count.
+it, the radix passes from what they recorded or, failing that, by a third pass.
+DARE's coin flips come from a counter-based generator (SplitMix64's mixer) keyed by
+the seed, the leaf's key path and the model, at each element's offset: the same
+bytes whatever the chunk size or thread count.
 """
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ class _Trims:
     # the keys at density 0.5: see _bounds.)
     SAMPLE = 1 << 16
     SAMPLE_RUN = 4096  # contiguous elements per sampled piece
-    # (offset, key) pairs recorded per leaf: those near the estimate, or in the radix cut's bin.
+    # Recorded per leaf: the keys near the estimate, or the (offset, key) pairs in the radix cut's bin.
     MAX_RECORDED = 1 << 22
     # Elements a pass takes at a time. The counting pass ran no faster on two threads than on
     # one in SUB_CHUNK blocks (its steps are short, and finding the near keys holds the GIL);
