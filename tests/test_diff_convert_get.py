@@ -90,6 +90,16 @@ def test_diff_reads_both_files_at_once_and_a_failed_read_leaves_no_buffer_in_use
     assert len(stream._spare_buffers) == spare
 
 
+def test_a_diff_run_on_the_prefetch_thread_itself_finishes(tmp_path):
+    """A comparison made inside a computed leaf's fill runs on the prefetch thread: it reads
+    there in turn, rather than wait for a read queued behind itself."""
+    from treecli._bytes import stream
+
+    save_file({"w": np.arange(3 * 1024 * 1024, dtype=np.float32)}, str(tmp_path / "a.safetensors"))
+    a = treecli.load(tmp_path / "a.safetensors")
+    assert stream._pool("prefetch").submit(lambda: diff(a, a).equal).result(timeout=60)
+
+
 def test_convert_safetensors_to_orbax_and_back_verifies_bit_exactness(cli, mixed_file, tmp_path):
     pytest.importorskip("orbax.checkpoint")
     path, tensors = mixed_file

@@ -142,8 +142,11 @@ def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
     in 0.16-0.18 s against 0.18-0.26 s; remote chunks wait one round trip a step, not two).
     """
     ranges = list(a.chunk_ranges())
+    # Read in turn on this thread: leaves that fill no buffers, a small one, and any call
+    # made on the prefetch thread itself (a computed leaf's fill), which would wait forever
+    # for a read queued behind it.
     if not ranges or not (a.fills_buffers and b.fills_buffers) or ranges != list(b.chunk_ranges()) or \
-            (len(ranges) == 1 and a.nbytes <= INLINE_BYTES):
+            (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or _on_pool_thread("prefetch"):
         yield from zip((a.read_flat(*r) for r in ranges), (b.read_flat(*r) for r in b.chunk_ranges()))
         return
     import numpy as np
