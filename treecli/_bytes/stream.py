@@ -142,11 +142,12 @@ def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
     in 0.16-0.18 s against 0.18-0.26 s; remote chunks wait one round trip a step, not two).
     """
     ranges = list(a.chunk_ranges())
-    # Read in turn on this thread: leaves that fill no buffers, a small one, and any call
-    # made on the prefetch thread itself (a computed leaf's fill), which would wait forever
-    # for a read queued behind it.
-    if not ranges or not (a.fills_buffers and b.fills_buffers) or ranges != list(b.chunk_ranges()) or \
-            (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or _on_pool_thread("prefetch"):
+    # Read in turn on this thread: leaves that fill no buffers or differ in layout, a small
+    # one, and any call made on the prefetch thread itself (a computed leaf's fill), which
+    # would wait forever for a read queued behind it.
+    if not ranges or not (a.fills_buffers and b.fills_buffers) or a.dtype != b.dtype or \
+            ranges != list(b.chunk_ranges()) or (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or \
+            _on_pool_thread("prefetch"):
         yield from zip((a.read_flat(*r) for r in ranges), (b.read_flat(*r) for r in b.chunk_ranges()))
         return
     import numpy as np
@@ -345,7 +346,7 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
     written = 0
     # The digest is taken on the reading thread, beside this one's writing: on this thread
     # it was a third of a verified Orbax conversion.
-    for chunk in iter_chunks(leaf, each=digest and (lambda chunk: digest.update(_stored_bytes(chunk)))):
+    for chunk in iter_chunks(leaf, each=None if digest is None else lambda chunk: digest.update(_stored_bytes(chunk))):
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
                                file=file, keypath=keypath)
