@@ -1,4 +1,6 @@
 import io
+import shutil
+import subprocess
 import zipfile
 
 import ml_dtypes
@@ -128,3 +130,58 @@ def test_cli_npz_to_safetensors_and_back(cli, tmp_path):
     assert_clean_error(cli("convert", tmp_path / "a.safetensors", tmp_path / "c.npz", "--dtype", "nope"),
                        "unknown dtype")
     assert snapshot(tmp_path) == before
+
+
+def written_npz(path, tree):
+    treecli.save(tree, path)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None  # every member's CRC-32 checks
+        names = archive.namelist()
+    with np.load(path) as loaded:
+        return names, {name: loaded[name] for name in loaded.files}
+
+
+def test_written_npz_is_a_zip_numpy_and_zipfile_read_with_every_crc_right(tmp_path):
+    """treecli writes the zip itself (each CRC-32 taken on the reading thread): zipfile finds
+    every member's CRC right, NumPy loads the arrays, and two saves give identical bytes."""
+    tree = {"layer": {"w": np.arange(3 * 1024 * 1024 + 3, dtype=np.float32)}, "ünï": np.ones((2, 3), np.int64),
+            "b": np.zeros(4, BF16), "empty": np.zeros((0, 3), np.float32)}
+    names, loaded = written_npz(tmp_path / "a.npz", tree)
+    assert sorted(names[:-1]) == ["b.npy", "empty.npy", "layer/w.npy", "ünï.npy"] and names[-1] == "__treecli__.json"
+    assert bits(loaded["layer/w"]) == bits(tree["layer"]["w"]) and bits(loaded["ünï"]) == bits(tree["ünï"])
+    assert loaded["empty"].shape == (0, 3)
+    assert bits(treecli.load(tmp_path / "a.npz")["b"].read()) == bits(tree["b"])
+    treecli.save(tree, tmp_path / "again.npz")
+    assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "again.npz").read_bytes()
+
+
+def test_zip64_records_are_written_where_sizes_offsets_and_the_count_need_them(tmp_path, monkeypatch):
+    """The limits lowered so that small members take the zip64 path: large sizes, offsets
+    past 2 GiB and more than 65,535 members read back through zipfile, NumPy and treecli."""
+    from treecli.formats import _zip
+
+    monkeypatch.setattr(_zip, "ZIP64_LIMIT", 200)
+    monkeypatch.setattr(_zip, "COUNT_LIMIT", 2)
+    tree = {f"m{i}": np.arange(40 + i, dtype=np.float64) for i in range(4)} | {"small": np.ones(2, np.int8)}
+    names, loaded = written_npz(tmp_path / "z.npz", tree)
+    with zipfile.ZipFile(tmp_path / "z.npz") as archive:
+        sizes = {info.filename: info.file_size for info in archive.infolist()}
+    assert sizes["m0.npy"] > 200 and sizes["small.npy"] < 200
+    assert sorted(names) == sorted(f"{key}.npy" for key in tree)
+    if shutil.which("unzip"):  # Info-ZIP reads the zip64 end records by their locator, which zipfile does not
+        checked = subprocess.run(["unzip", "-t", str(tmp_path / "z.npz")], capture_output=True, text=True)
+        assert checked.returncode == 0 and "No errors detected" in checked.stdout, checked.stdout + checked.stderr
+    for key, array in tree.items():
+        assert bits(loaded[key]) == bits(array)
+        assert bits(treecli.load(tmp_path / "z.npz")[key].read()) == bits(array)
+
+
+def test_a_key_too_long_for_a_zip_name_is_one_clear_error_before_anything_is_written(tmp_path, cli):
+    from safetensors.numpy import save_file
+
+    save_file({"a" * 70_000: np.ones(2, np.float32)}, str(tmp_path / "long.safetensors"))
+    result = cli("convert", tmp_path / "long.safetensors", tmp_path / "out.npz")
+    assert_clean_error(result, "65,535 bytes")
+    assert not (tmp_path / "out.npz").exists()
+    with pytest.raises(treecli.TreecliError, match="npz cannot hold this key"):
+        treecli.save({"b" * 70_000: np.ones(2)}, tmp_path / "api.npz")

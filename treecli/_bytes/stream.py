@@ -334,19 +334,28 @@ def _stored_bytes(chunk: Any) -> Any:
 
 def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
                writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
-               digests: dict[int, tuple[ArrayLeaf, tuple[int, int]]] | None = None) -> None:
+               digests: dict[int, tuple[ArrayLeaf, tuple[int, int]]] | None = None,
+               checksum: Digest | None = None) -> None:
     """Write a leaf's bytes (little-endian, C order) to ``f`` a chunk at a time, the next
     chunk read while this one is written. ``writeback`` is called after each chunk
     (a :class:`Writeback`), ``progress`` with each chunk's byte count. With ``digests``,
     a leaf that is costly to read again (one read whole: an Orbax array) has the digest
     of what was written recorded under its ``id`` (with the leaf, so that the id stays
     its own), for a verification to check the output against instead of reading the
-    source a second time."""
+    source a second time. ``checksum``, when given, takes in the bytes written (a zip
+    member's CRC-32)."""
     digest = Digest() if digests is not None and isinstance(leaf, WholeLeaf) else None
+    sums = [d for d in (digest, checksum) if d is not None]
+
+    def take_in(chunk: Any) -> None:
+        raw = _stored_bytes(chunk)
+        for d in sums:
+            d.update(raw)
+
     written = 0
-    # The digest is taken on the reading thread, beside this one's writing: on this thread
-    # it was a third of a verified Orbax conversion.
-    for chunk in iter_chunks(leaf, each=None if digest is None else lambda chunk: digest.update(_stored_bytes(chunk))):
+    # Checksums are taken on the reading thread, beside this one's writing: on this thread
+    # they were a third of a verified Orbax conversion, and zip's CRC a third of an npz's.
+    for chunk in iter_chunks(leaf, each=take_in if sums else None):
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
                                file=file, keypath=keypath)

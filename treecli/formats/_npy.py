@@ -83,24 +83,36 @@ def _parse_dict(text: str) -> tuple[Any, bool, tuple[int, ...]]:
     return header["descr"], header["fortran_order"], shape
 
 
-def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | None = None,
-          writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
-          digests: dict | None = None) -> None:
-    """Write an array leaf as one record, as ``np.save`` lays it out: a version 1.0
-    header (2.0 when it would not fit), then the data in C order, streamed by
-    ``_bytes.stream.write_leaf`` (``writeback``, ``progress`` and ``digests`` as there).
+def header(leaf: Any, descr: str | None = None) -> bytes:
+    """An array leaf's record header, as ``np.save`` writes it: version 1.0, or 2.0 when
+    it would not fit. ``descr`` overrides the dtype's own (npz stores bfloat16 as ``|V2``
+    with its real dtype beside)."""
+    import io
 
-    ``descr`` overrides the dtype's own (npz stores bfloat16 as ``|V2`` with its real
-    dtype beside).
-    """
     import numpy as np
 
+    fields = {"descr": descr or np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
+              "shape": tuple(leaf.shape)}
+    out = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(out, fields)
+    except ValueError:  # a header over 64 KiB needs format 2.0
+        np.lib.format.write_array_header_2_0(out, fields)
+    return out.getvalue()
+
+
+def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | None = None,
+          writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
+          digests: dict | None = None, checksum: Any = None) -> None:
+    """Write an array leaf as one record, as ``np.save`` lays it out: its :func:`header`,
+    then the data in C order, streamed by ``_bytes.stream.write_leaf`` (``writeback``,
+    ``progress``, ``digests`` and ``checksum`` as there; the checksum takes in the header
+    too)."""
     from treecli._bytes import stream
 
-    header = {"descr": descr or np.lib.format.dtype_to_descr(leaf.dtype), "fortran_order": False,
-              "shape": tuple(leaf.shape)}
-    try:
-        np.lib.format.write_array_header_1_0(f, header)
-    except ValueError:  # a header over 64 KiB needs format 2.0
-        np.lib.format.write_array_header_2_0(f, header)
-    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress, digests=digests)
+    head = header(leaf, descr)
+    f.write(head)
+    if checksum is not None:
+        checksum.update(head)
+    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress, digests=digests,
+                      checksum=checksum)

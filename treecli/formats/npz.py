@@ -10,6 +10,9 @@ and object arrays are refused because loading them unpickles.
 NumPy has no names for bfloat16 or fp8 and saves them as raw void bytes
 (``V2``); treecli writes the real dtypes to a ``__treecli__.json`` member and
 restores them. A ``V`` member from elsewhere is shown as such, with a warning.
+
+Written with ``_zip.StoredZip`` (stored members, as ``np.savez``), whose CRC-32s are
+taken on the reading thread; read with ``zipfile``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from treecli._bytes import stream
 from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, TreecliError, option
 from treecli._keypath import format_keypath
-from treecli.formats import _flatkeys, _npy
+from treecli.formats import _flatkeys, _npy, _zip
 from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
@@ -314,8 +317,14 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     if not entries:
         raise TreecliError("npz output would hold no arrays (a zip without .npy members is no npz treecli "
                            "reads); write safetensors or msgpack instead", file=str(target))
+    for key, _ in entries:  # before a byte is written
+        try:
+            _zip.encoded_name(key + ".npy")
+        except ValueError as e:
+            raise TreecliError(f"npz cannot hold this key: {e}", file=str(target), keypath=key[:60] + "...") from None
     real_dtypes = {}
-    with open(target, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with open(target, "wb") as f:
+        archive = _zip.StoredZip(f, _FIXED_TIME)
         writeback = stream.Writeback(f, keep=options.reread)
         for key, leaf in entries:
             dtype = leaf.dtype
@@ -324,12 +333,12 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                 descr = f"|V{dtype.itemsize}"
             else:
                 descr = np.lib.format.dtype_to_descr(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
-            info = zipfile.ZipInfo(key + ".npy", date_time=_FIXED_TIME)
-            info.compress_type = zipfile.ZIP_STORED
-            info.file_size = leaf.nbytes  # a hint: zipfile picks zip64 when large
-            with archive.open(info, "w", force_zip64=leaf.nbytes > 2**31) as member:
-                _npy.write(member, leaf, file=str(target), keypath=key, descr=descr, writeback=writeback,
-                           progress=options.progress, digests=options.digests)
+            with archive.member(key + ".npy", len(_npy.header(leaf, descr)) + leaf.nbytes) as checksum:
+                _npy.write(f, leaf, file=str(target), keypath=key, descr=descr, writeback=writeback,
+                           progress=options.progress, digests=options.digests, checksum=checksum)
         if real_dtypes:
-            info = zipfile.ZipInfo(METADATA_MEMBER, date_time=_FIXED_TIME)
-            archive.writestr(info, json.dumps({"dtypes": real_dtypes}, sort_keys=True))
+            data = json.dumps({"dtypes": real_dtypes}, sort_keys=True).encode()
+            with archive.member(METADATA_MEMBER, len(data)) as checksum:
+                f.write(data)
+                checksum.update(data)
+        archive.close()
