@@ -6,6 +6,8 @@ import zipfile
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import treecli
 from treecli._errors import FormatError
@@ -185,3 +187,30 @@ def test_a_key_too_long_for_a_zip_name_is_one_clear_error_before_anything_is_wri
     assert not (tmp_path / "out.npz").exists()
     with pytest.raises(treecli.TreecliError, match="npz cannot hold this key"):
         treecli.save({"b" * 70_000: np.ones(2)}, tmp_path / "api.npz")
+
+
+_NAMES = st.text(st.characters(codec="utf-8", exclude_characters="/\0"), min_size=1, max_size=12)
+_DTYPES = st.sampled_from([np.float32, np.float64, np.int8, np.uint16, np.int64, np.bool_, BF16])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrays=st.dictionaries(_NAMES, st.tuples(_DTYPES, st.integers(0, 300)), min_size=1, max_size=6),
+       limit=st.sampled_from([None, 64, 1000]))
+def test_any_tree_written_as_npz_reads_back_through_zipfile_and_numpy(tmp_path, monkeypatch, arrays, limit):
+    """Whatever the names (any Unicode), dtypes and sizes, and with zip64 forced on at low
+    limits, the archive's CRCs check and NumPy and treecli read back the same bytes."""
+    from treecli.formats import _zip
+
+    if limit is not None:
+        monkeypatch.setattr(_zip, "ZIP64_LIMIT", limit)
+        monkeypatch.setattr(_zip, "COUNT_LIMIT", 2)
+    rng = np.random.default_rng(0)
+    tree = {name: rng.integers(0, 255, n * np.dtype(dtype).itemsize, np.uint8).view(dtype)
+            for name, (dtype, n) in arrays.items()}
+    path = tmp_path / f"t{len(list(tmp_path.iterdir()))}.npz"
+    names, loaded = written_npz(path, tree)
+    assert sorted(n for n in names if n != "__treecli__.json") == sorted(f"{k}.npy" for k in tree)
+    back = treecli.load(path)
+    for name, array in tree.items():
+        assert loaded[name].tobytes() == array.tobytes()
+        assert bits(back[name].read()) == bits(array)
