@@ -475,12 +475,13 @@ class _Trims:
             return self._cuts
 
     def _select(self) -> list[tuple[int, int | None]]:
-        import numpy as np
-
         size, models = self._base.size, range(len(self._models))
         if size <= self.SAMPLE:
-            whole = self._sample(whole=True)
-            return [_kth_largest(whole[i], np.arange(size), self._k) for i in models]
+            cuts = []
+            for keys in self._sample(whole=True):
+                threshold, take = _kth_largest(keys, self._k)
+                cuts.append((threshold, _first_not_kept(keys, threshold, take)))
+            return cuts
         bounds = [_bounds(sample, self._k, size) for sample in self._sample(whole=False)]
         found = self._count_near(bounds)
         missed = [i for i in models if found[i] is None]
@@ -541,9 +542,7 @@ class _Trims:
             if not pieces or not 0 < wanted <= sum(k.size for _, k in pieces):
                 found.append(None)
                 continue
-            keys = np.concatenate([k for _, k in pieces])
-            threshold = int(np.partition(keys, keys.size - wanted)[keys.size - wanted])
-            take = wanted - int(np.count_nonzero(keys > threshold))  # keys equal to it that are kept
+            threshold, take = _kth_largest(np.concatenate([k for _, k in pieces]), wanted)
             low = bounds[i][0]
             found.append((threshold + low, self._tie_cut(i, pieces, threshold, low, take)))
         return found
@@ -562,7 +561,7 @@ class _Trims:
                 key = threshold + low
                 found: list[int] = []
                 self._scan([(start, stop)], [model], lambda _, block_keys, s, __: found.append(
-                    s + int(np.flatnonzero(block_keys == key)[take])))
+                    s + _first_not_kept(block_keys, key, take)))
                 return found[0]
             take -= equal
         return None
@@ -679,16 +678,23 @@ def _bounds(sample, k: int, size: int) -> tuple[int, int]:
     return low, high
 
 
-def _kth_largest(keys, offsets, k: int) -> tuple[int, int | None]:
-    """The ``k``-th largest of ``keys`` (at ``offsets``, in element order) and the offset of
-    the first key equal to it that is not kept (``None`` when every one is): the first ones
-    in element order are kept (mergekit's ``topk`` keeps an unspecified set)."""
+def _kth_largest(keys, k: int) -> tuple[int, int]:
+    """The ``k``-th largest of ``keys``, and how many keys equal to it are kept (``k`` less
+    those above it)."""
     import numpy as np
 
     threshold = int(np.partition(keys, keys.size - k)[keys.size - k])
-    take = k - int(np.count_nonzero(keys > threshold))
+    return threshold, k - int(np.count_nonzero(keys > threshold))
+
+
+def _first_not_kept(keys, threshold: int, take: int) -> int | None:
+    """Where in ``keys`` (in element order) the first key equal to the threshold that is not
+    kept lies, the first ``take`` being kept (mergekit's ``topk`` keeps an unspecified set);
+    ``None`` when every one is."""
+    import numpy as np
+
     equal = np.flatnonzero(keys == threshold)
-    return threshold, (int(offsets[equal[take]]) if take < equal.size else None)
+    return int(equal[take]) if take < equal.size else None
 
 
 def _key_base(base, space: _Space):
