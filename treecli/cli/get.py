@@ -85,4 +85,4 @@ def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
                          file=str(path), keypath=keypath)
     _outputs.check_target(path, _outputs.sources_of([source]), force=force)
     with _atomic.atomic_file(path) as tmp, open(tmp, "wb") as f:
-        _npy.write(f, leaf, file=str(path), keypath=keypath, writeback=stream.Writeback(f))
+        _npy.write(f, leaf, _npy.header(leaf), file=str(path), keypath=keypath, writeback=stream.Writeback(f))

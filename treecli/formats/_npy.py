@@ -101,16 +101,15 @@ def header(leaf: Any, descr: str | None = None) -> bytes:
     return out.getvalue()
 
 
-def write(f: BinaryIO, leaf: Any, *, file: str, keypath: str = "", descr: str | None = None,
+def write(f: BinaryIO, leaf: Any, head: bytes, *, file: str, keypath: str = "",
           writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
           digests: dict | None = None, checksum: Any = None) -> None:
-    """Write an array leaf as one record, as ``np.save`` lays it out: its :func:`header`,
-    then the data in C order, streamed by ``_bytes.stream.write_leaf`` (``writeback``,
-    ``progress``, ``digests`` and ``checksum`` as there; the checksum takes in the header
-    too)."""
+    """Write an array leaf as one record, as ``np.save`` lays it out: ``head`` (its
+    :func:`header`), then the data in C order, streamed by ``_bytes.stream.write_leaf``
+    (``writeback``, ``progress``, ``digests`` and ``checksum`` as there; the checksum takes
+    in the header too)."""
     from treecli._bytes import stream
 
-    head = header(leaf, descr)
     f.write(head)
     if checksum is not None:
         checksum.update(head)

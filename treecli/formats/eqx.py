@@ -124,8 +124,8 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         writeback = stream.Writeback(f, keep=options.reread)
         for key, leaf in records(tree, options, str(target)):
             # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.
-            _npy.write(f, leaf, file=str(target), keypath=key, writeback=writeback, progress=options.progress,
-                       digests=options.digests)
+            _npy.write(f, leaf, _npy.header(leaf), file=str(target), keypath=key, writeback=writeback,
+                       progress=options.progress, digests=options.digests)
 
 
 def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _leaf.ArrayLeaf]]:

@@ -333,8 +333,9 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                 descr = f"|V{dtype.itemsize}"
             else:
                 descr = np.lib.format.dtype_to_descr(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
-            with archive.member(key + ".npy", len(_npy.header(leaf, descr)) + leaf.nbytes) as checksum:
-                _npy.write(f, leaf, file=str(target), keypath=key, descr=descr, writeback=writeback,
+            head = _npy.header(leaf, descr)
+            with archive.member(key + ".npy", len(head) + leaf.nbytes) as checksum:
+                _npy.write(f, leaf, head, file=str(target), keypath=key, writeback=writeback,
                            progress=options.progress, digests=options.digests, checksum=checksum)
         if real_dtypes:
             data = json.dumps({"dtypes": real_dtypes}, sort_keys=True).encode()
