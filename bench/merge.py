@@ -130,10 +130,6 @@ def main() -> None:
             subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
         env = {"BENCH_MERGEKIT": args.mergekit or ""}
 
-        def median(tool: str, method: str, models: list[Path], runs: int) -> dict:
-            results = [run(tool, method, tmp / f"{tool}-{method}.safetensors", base, models, env) for _ in range(runs)]
-            return {k: statistics.median(r[k] for r in results) for k in results[0]}
-
         def interleaved(jobs: list[tuple[str, list[Path]]]) -> list[dict]:
             """Medians of --runs of each (method, inputs), taken in turns: the machine's drift
             falls on all of them alike."""
@@ -154,7 +150,7 @@ def main() -> None:
                     f"{ours['seconds'] / three['seconds']:>6.2f}x / {ours['seconds'] / own['seconds']:.2f}x"
                     f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s)")
             if args.mergekit:
-                theirs = median("mergekit", method, models, 1)
+                theirs = run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
                          f"{theirs['seconds'] / ours['seconds']:.1f}x slower")
                 if method in DETERMINISTIC:
