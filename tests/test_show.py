@@ -181,3 +181,40 @@ def test_a_checkpoint_without_tensors_shows_its_empty_table(cli, tmp_path, args)
     assert "0 arrays" in result.stdout and "nothing yet" in result.stdout
     header = ["key", "path"] if args == ["--flat"] else ["key"]
     assert header + ["shape", "dtype", "params", "size"] in [line.split() for line in result.stdout.splitlines()]
+
+
+def test_json_is_laid_out_as_pythons_indented_json(cli, tmp_path):
+    """`--json` is Python's own two-space layout and number spelling (1e-05, not 0.00001),
+    whatever encodes it; text stays unescaped UTF-8."""
+    path = tmp_path / "m.safetensors"
+    save_file({"café.w": np.array([1e-5, 3e22], np.float64), "b": np.zeros((0, 3), np.float32)}, str(path),
+              metadata={"note": "ünïcode"})
+    result = cli("show", path, "--stats", "--json")
+    assert result.code == 0, result.stderr
+    assert result.stdout == json.dumps(result.json, indent=2, ensure_ascii=False) + "\n"
+    assert '"min": 1e-05' in result.stdout and '"max": 3e+22' in result.stdout
+
+
+def test_json_of_a_name_that_is_no_unicode_still_prints(cli, tmp_path):
+    """A file name that is not UTF-8 (byte 0xff) reaches the document as a lone surrogate,
+    which no UTF-8 encoder takes; the document still prints, as a JSON escape."""
+    path = tmp_path / "bad\udcff.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(path))
+    result = cli("show", path, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json["file"] == str(path)
+
+
+def test_key_paths_of_flat_and_json_rows_are_each_leafs_own(cli, tmp_path):
+    """Rows of --flat and --json spell each leaf's key path as every other command reads it,
+    brackets and escapes included, though they are built from their parents' paths."""
+    from treecli import _render, _summary, _tree
+    from treecli._keypath import format_keypath
+
+    odd = {"a.b": {"": 1.0, "x[y]": {"\u202e": 2, 0: [3, {"k": 4}]}}, "plain": {"w": 5}, "é": [6]}
+    root = _summary.summarize(odd)
+    expected = [format_keypath(keypath) for keypath, _ in _tree.flatten(odd)]
+    assert [keypath for keypath, _ in _summary.leaves_by_keypath(root)] == expected
+    assert [leaf["keypath"] for leaf in _render.show_json("f", "npz", root, {})["leaves"]] == expected
+    flat = list(_render.flat_lines(root))[1:]
+    assert [line.split("  ")[0].rstrip() for line in flat] == expected

@@ -271,7 +271,7 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
 def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
     cells = _cells_memo(stats)
-    rows = [(node.text_keypath or "<root>", cells(node)) for node in _summary.leaves(root)]
+    rows = [(keypath or "<root>", cells(node)) for keypath, node in _summary.leaves_by_keypath(root)]
     return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
 
 
@@ -339,14 +339,14 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
 def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict[str, Any]:
     """The ``show --json`` document (DESIGN.md "Output conventions")."""
     out_leaves = []
-    for node in _summary.leaves(root):
+    for keypath, node in _summary.leaves_by_keypath(root):
         if node.kind == "array":
-            entry: dict[str, Any] = {"keypath": node.text_keypath, "shape": list(node.shape),
-                                     "dtype": node.dtype, "nbytes": node.nbytes}
+            entry: dict[str, Any] = {"keypath": keypath, "shape": list(node.shape), "dtype": node.dtype,
+                                     "nbytes": node.nbytes}
             if node.stats is not None:
                 entry["stats"] = {k: _summary.json_value(v) for k, v in node.stats.items()}
         elif node.kind == "value":
-            entry = {"keypath": node.text_keypath, "type": _summary.value_type(node.value),
+            entry = {"keypath": keypath, "type": _summary.value_type(node.value),
                      "value": _summary.json_value(node.value)}
         else:
             continue

@@ -94,6 +94,30 @@ def leaves(root: Node) -> list[Node]:
     return out
 
 
+def leaves_by_keypath(root: Node) -> list[tuple[str, Node]]:
+    """``(key path as text, leaf row)`` under a summary node, in display order: each path
+    is its parent's and one key, formatted once per distinct key (``text_keypath`` for
+    each of 200k leaves formatted 1.2M keys)."""
+    if root.kind != "node":
+        return [(root.text_keypath, root)]
+    out: list[tuple[str, Node]] = []
+    key_texts: dict[tuple[type, Any], str] = {}
+
+    def walk(node: Node, prefix: str) -> None:
+        for child in node.children:
+            text = key_texts.get((type(child.key), child.key))
+            if text is None:
+                text = key_texts[(type(child.key), child.key)] = format_keypath((child.key,))
+            path = prefix + text if not prefix or text[0] == "[" else f"{prefix}.{text}"
+            if child.kind == "node":
+                walk(child, path)
+            else:
+                out.append((path, child))
+
+    walk(root, root.text_keypath)
+    return out
+
+
 def dtype_totals(root: Node) -> list[tuple[str, int, int, int]]:
     """``(dtype, number of arrays, params, bytes)`` per dtype, largest first."""
     totals: dict[str, list[int]] = {}

@@ -78,8 +78,7 @@ class Output:
 
     def json(self, document: Any) -> None:
         with _writing_stdout():
-            text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)
-            sys.stdout.write(json_text(text) + "\n")
+            sys.stdout.write(json_text(_indented_json(document)) + "\n")
 
     def warn(self, message: str) -> None:
         sys.stderr.write(visible(f"treecli: warning: {message}") + "\n")
@@ -115,6 +114,22 @@ class Output:
                 yield lambda n: bar.advance(task, n)
             finally:
                 self._bar = None
+
+
+def _indented_json(document: Any) -> str:
+    """``json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)``, the same text.
+
+    With an indent, ``json`` encodes in Python: 1.1 s for the 200k leaves of a big model's
+    ``show --json``. Encoded compact (in C) and laid out by msgspec (which keeps every token
+    as written, so numbers keep Python's spelling), 0.3 s. Text msgspec cannot take (a lone
+    surrogate: a file name that is not UTF-8) goes the slow way."""
+    compact = json.dumps(document, ensure_ascii=False, allow_nan=False)
+    try:
+        import msgspec
+
+        return msgspec.json.format(compact, indent=2)
+    except UnicodeEncodeError:
+        return json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)
 
 
 def _BinarySpeedColumn():
