@@ -218,3 +218,25 @@ def test_key_paths_of_flat_and_json_rows_are_each_leafs_own(cli, tmp_path):
     assert [leaf["keypath"] for leaf in _render.show_json("f", "npz", root, {})["leaves"]] == expected
     flat = list(_render.flat_lines(root))[1:]
     assert [line.split("  ")[0].rstrip() for line in flat] == expected
+
+
+def test_tree_rows_come_depth_first_each_under_its_parent(cli, mixed_file):
+    """Read back by indentation, the plain tree's rows name every node once, each right
+    after its parent's subtree began: the tree, depth first, in natural order."""
+    path, tensors = mixed_file
+    lines = cli("show", path).stdout.splitlines()
+    rows = lines[3:lines.index("", 3)]
+    stack: list[str] = []
+    shown_leaves = []
+    for row in rows:
+        depth = (len(row) - len(row.lstrip(" "))) // 2
+        del stack[depth:]
+        stack.append(row.split()[0])
+        if "leaves" not in row and "leaf" not in row.split()[1:3]:
+            shown_leaves.append(".".join(stack))
+    from treecli._keypath import natural_sort_key
+
+    def order(name):
+        return [natural_sort_key(part) for part in name.split(".")]
+
+    assert shown_leaves == sorted(tensors, key=order)

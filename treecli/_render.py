@@ -75,41 +75,43 @@ def table(header: list[str], rows: list[Sequence[Any]], right: set[int] = frozen
     A cell is a str; the first cell of a row may instead be a list of segments (a
     styled key). Rows of plain strings give plain lines; otherwise the header is bold.
     """
-    return keyed_table(header, [(row[0], row[1:]) for row in rows], right)
+    return keyed_table(header, [row[0] for row in rows], [row[1:] for row in rows], right)
 
 
-def keyed_table(header: list[str], rows: list[tuple[str | list[Segment], Sequence[str]]],
+def keyed_table(header: list[str], firsts: list[str | list[Segment]], other_cells: list[Sequence[str]],
                 right: set[int] = frozenset()) -> Iterable[Line]:
-    """``table`` of ``(first cell, the other cells)`` rows. Rows that show the same may share
-    one sequence of other cells (``_cells_memo``): each distinct one is laid out once, and a
-    line is its first cell, padded, and that text (333k rows of a big tree, ~2,000 distinct)."""
-    distinct = list({id(cells): cells for _, cells in rows}.values())
+    """``table`` of rows given as two columns: each row's first cell, and its other cells.
+    Rows that show the same may share one sequence of other cells (``_cells_memo``): each
+    distinct one is laid out once, and a line is its first cell, padded, and that text (333k
+    rows of a big tree, ~2,000 distinct). Plain rows are joined by ``map`` (in C)."""
+    distinct = list({id(cells): cells for cells in other_cells}.values())
     widths = [max(len(title), max((len(cells[i]) for cells in distinct), default=0))
               for i, title in enumerate(header[1:])]
     formats = [f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths, 1)]
     tail = "".join("  " + f for f in formats)
     tails = {id(cells): tail.format(*cells).rstrip() for cells in distinct}
     head_tail = tail.format(*header[1:]).rstrip()
-    firsts = [first for first, _ in rows]
+    row_tails = map(tails.__getitem__, map(id, other_cells))
+    pad = str.rjust if 0 in right else str.ljust
+    if set(map(type, firsts)) <= {str}:
+        width = max(len(header[0]), max(map(len, firsts), default=0))
+        lines = map(str.__add__, map(pad, firsts, itertools.repeat(width)), row_tails)
+        return itertools.chain([(pad(header[0], width) + head_tail).rstrip()], map(str.rstrip, lines))
     lengths = [len(c) if type(c) is str else sum(len(text) for text, _ in c) for c in firsts]
     width = max([len(header[0]), *lengths])
-    pad = str.rjust if 0 in right else str.ljust
-    if all(type(first) is str for first in firsts):
-        lines = (pad(first, width) + tails[id(cells)] for first, cells in rows)
-        return itertools.chain([(pad(header[0], width) + head_tail).rstrip()], map(str.rstrip, lines))
     head: Line = [(pad(header[0], width), "bold")]
     for f, title in zip(formats, header[1:]):
         head += [("  ", ""), (f.format(title), "bold")]
 
-    def line(first: str | list[Segment], length: int, cells: Sequence[str]) -> Line:
+    def line(first: str | list[Segment], length: int, row_tail: str) -> Line:
         segments = [(first, "")] if type(first) is str else list(first)
         spaces = " " * (width - length)
         if 0 in right:
-            return [(spaces, ""), *segments, (tails[id(cells)], "")]
-        segments.append((spaces + tails[id(cells)], ""))
+            return [(spaces, ""), *segments, (row_tail, "")]
+        segments.append((spaces + row_tail, ""))
         return segments
 
-    return itertools.chain([head], map(line, firsts, lengths, (cells for _, cells in rows)))
+    return itertools.chain([head], map(line, firsts, lengths, row_tails))
 
 
 def changes_json(rows: Sequence[Sequence[str]], output: Any = None, skipped: Sequence[str] = ()) -> dict[str, Any]:
@@ -229,7 +231,8 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
     model) are one row, ``{0..31} ×32`` with their totals summed, over the structure
     shown once.
     """
-    rows: list[tuple] = []
+    firsts: list[str | list[Segment]] = []  # the key column, and beside it the other cells
+    other_cells: list[list[str]] = []
     cells = _cells_memo(stats)
     shape_of = _shapes(root) if fold else {}
 
@@ -248,31 +251,39 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
                      else (_folded(run), f"{{{run[0].key}..{run[-1].key}}} ×{len(run)}")
                      for run in _runs(node.children, shape_of)]
         else:
-            shown = [(child, key_text(child.key)) for child in node.children]
+            shown = [(child, key_texts.get((type(child.key), child.key)) or key_text(child.key))
+                     for child in node.children]
+        deeper = depth is None or level < depth
+        if plain:
+            for child, key in shown:
+                other_cells.append(cells(child))
+                firsts.append(prefix + key)
+                if deeper and child.kind == "node":
+                    add_children(child, prefix + "  ", level + 1)
+            return
         last_index = len(shown) - 1
         for i, (child, key) in enumerate(shown):
-            if plain:
-                lead, child_prefix = prefix, prefix + "  "
-                rows.append((lead + key, cells(child)))
-            else:
-                last = i == last_index
-                lead = prefix + ("└── " if last else "├── ")
-                child_prefix = prefix + ("    " if last else "│   ")
-                rows.append(([(lead, "dim"), (key, "bold" if child.kind == "node" else "")], cells(child)))
-            if child.kind == "node" and (depth is None or level < depth):
-                add_children(child, child_prefix, level + 1)
+            other_cells.append(cells(child))
+            last = i == last_index
+            firsts.append([(prefix + ("└── " if last else "├── "), "dim"),
+                           (key, "bold" if child.kind == "node" else "")])
+            if deeper and child.kind == "node":
+                add_children(child, prefix + ("    " if last else "│   "), level + 1)
 
     if root.kind != "node":
-        rows.append(("<root>", _cells(root, stats)))
+        firsts.append("<root>")
+        other_cells.append(_cells(root, stats))
     add_children(root, "", 1)
-    return _stats_table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
+    return _stats_table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], firsts, other_cells, stats, width)
 
 
 def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
     cells = _cells_memo(stats)
-    rows = [(keypath or "<root>", cells(node)) for keypath, node in _summary.leaves_by_keypath(root)]
-    return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], rows, stats, width)
+    leaves = _summary.leaves_by_keypath(root)
+    return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])],
+                        [keypath or "<root>" for keypath, _ in leaves], [cells(node) for _, node in leaves],
+                        stats, width)
 
 
 # With --stats on a narrow terminal, these go first (in this order) so that what is left
@@ -280,15 +291,17 @@ def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> 
 _LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
 
 
-def _stats_table(header: list[str], rows: list[tuple[Any, list[str]]], stats: bool,
+def _stats_table(header: list[str], firsts: list[Any], other_cells: list[list[str]], stats: bool,
                  width: int | None) -> Iterable[Line]:
-    """The table of ``show``'s ``(key, cells)`` rows; with stats on a terminal, fitted to its width."""
+    """The table of ``show``'s rows (``keyed_table``'s two columns); with stats on a terminal,
+    fitted to its width."""
     right_aligned = {header[i] for i in _right(stats)}
     dropped: list[str] = []
     if stats and width:
-        header, whole, dropped = fit_columns(header, [(first, *cells) for first, cells in rows], width, _LEAST_USEFUL)
-        rows = [(row[0], row[1:]) for row in whole]
-    lines = keyed_table(header, rows, {i for i, name in enumerate(header) if name in right_aligned})
+        header, whole, dropped = fit_columns(header, [(first, *cells) for first, cells in zip(firsts, other_cells)],
+                                             width, _LEAST_USEFUL)
+        firsts, other_cells = [row[0] for row in whole], [row[1:] for row in whole]
+    lines = keyed_table(header, firsts, other_cells, {i for i, name in enumerate(header) if name in right_aligned})
     return itertools.chain(lines, [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else [])
 
 

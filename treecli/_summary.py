@@ -25,6 +25,8 @@ class Node:
     num_leaves: int = 0
     value: Any = None
     stats: dict[str, Any] | None = None
+    # The root's ``(arrays, params, bytes)`` per dtype, counted as ``summarize`` builds it.
+    by_dtype: dict[str, list[int]] | None = None
 
     @property
     def text_keypath(self) -> str:
@@ -52,33 +54,50 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             return Node(key, keypath, "array", [], shape, dtype, size * _dtypes.itemsize(dtype), size, 1)
         return Node(key, keypath, "value", [], value=leaf, num_leaves=1)
 
+    by_dtype: dict[str, list[int]] = {}
+    prod, itemsize, array_leaf, child_keys, is_node = math.prod, _dtypes.itemsize, _leaf.ArrayLeaf, \
+        _tree.child_keys, _tree.is_node
+
     # The hot loop of `show` (200k leaves under 133k nodes for a 200k-tensor header):
     # lazy array leaves are summarized inline, without a call per leaf.
     def build(node: dict | list | tuple, keypath: KeyPath) -> Node | None:
         kids = []
         nbytes = params = num_leaves = 0
-        for k in _tree.child_keys(node):
+        for k in child_keys(node):
             child = node[k]
-            if isinstance(child, _leaf.ArrayLeaf) and not patterns:
-                size = math.prod(child.shape)
+            if isinstance(child, array_leaf) and not patterns:
+                size = prod(child.shape)
                 row = Node(k, keypath + (k,), "array", [], child.shape, child.dtype_name,
-                           size * _dtypes.itemsize(child.dtype_name), size, 1)
-            elif _tree.is_node(child):
+                           size * itemsize(child.dtype_name), size, 1)
+            elif is_node(child):
                 row = build(child, keypath + (k,))
             else:
                 row = leaf_row(k, keypath + (k,), child)
-            if row is not None:
-                kids.append(row)
-                nbytes += row.nbytes
-                params += row.params
-                num_leaves += row.num_leaves
+            if row is None:
+                continue
+            kids.append(row)
+            nbytes += row.nbytes
+            params += row.params
+            num_leaves += row.num_leaves
+            if row.kind == "array":
+                totals = by_dtype.get(row.dtype)
+                if totals is None:
+                    totals = by_dtype[row.dtype] = [0, 0, 0]
+                totals[0] += 1
+                totals[1] += row.params
+                totals[2] += row.nbytes
         if not kids and keypath:
             return None
         return Node(keypath[-1] if keypath else None, keypath, "node", kids, None, None, nbytes, params, num_leaves)
 
-    if _tree.is_node(tree):
-        return build(tree, ())
-    return leaf_row(None, (), tree) or Node(key=None, keypath=(), kind="node")
+    if is_node(tree):
+        root = build(tree, ())
+    else:
+        root = leaf_row(None, (), tree) or Node(key=None, keypath=(), kind="node")
+        if root.kind == "array":
+            by_dtype[root.dtype] = [1, root.params, root.nbytes]
+    root.by_dtype = by_dtype
+    return root
 
 
 def leaves(root: Node) -> list[Node]:
@@ -119,15 +138,9 @@ def leaves_by_keypath(root: Node) -> list[tuple[str, Node]]:
 
 
 def dtype_totals(root: Node) -> list[tuple[str, int, int, int]]:
-    """``(dtype, number of arrays, params, bytes)`` per dtype, largest first."""
-    totals: dict[str, list[int]] = {}
-    for leaf in leaves(root):
-        if leaf.kind == "array":
-            entry = totals.setdefault(leaf.dtype, [0, 0, 0])
-            entry[0] += 1
-            entry[1] += leaf.params
-            entry[2] += leaf.nbytes
-    return sorted(((d, *v) for d, v in totals.items()), key=lambda row: -row[3])
+    """``(dtype, number of arrays, params, bytes)`` per dtype, largest first, of the tree
+    ``summarize`` returned ``root`` for."""
+    return sorted(((d, *v) for d, v in root.by_dtype.items()), key=lambda row: -row[3])
 
 
 def _python_scalar(value: Any) -> Any:

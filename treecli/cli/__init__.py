@@ -196,6 +196,7 @@ def run() -> None:
     thread outlives it; stdout and stderr are flushed here.
     """
     gc.disable()
+    _gc.exit_without_freeing()
     code = main()
     try:
         sys.stdout.flush()

@@ -44,7 +44,7 @@ def show(
         treecli show ckpt_dir --depth 2 --json
         treecli show ./Llama-3-8B --expand
     """
-    from treecli import _render, _summary
+    from treecli import _gc, _render, _summary
 
     from treecli._errors import UsageError
 
@@ -58,6 +58,7 @@ def show(
                 raise UsageError(f"no item {item!r}{known}", file=str(checkpoint))
             tree = {item: tree[item]}
         root = _summary.summarize(tree, where or [])
+        _gc.outlive(tree, root)
         if stats:
             with out.progress("reading", root.nbytes) as advance:
                 _summary.add_stats(root, tree, advance)

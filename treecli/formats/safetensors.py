@@ -158,15 +158,15 @@ def parse_header(read: Callable[[int, int], bytes], size: int | Callable[[int], 
         )
     raw = read(8, header_len)
     _refuse_parse_bombs(raw, file)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"header is not valid UTF-8 (byte {e.start})", file=file) from None
     with _gc.paused():
-        if header_len >= _TYPED_FROM:
+        if header_len >= _TYPED_FROM:  # msgspec takes only UTF-8: any other header goes the exact way
             common = _typed_header(raw, size, 8 + header_len, file)
             if common is not None:
                 return common
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FormatError(f"header is not valid UTF-8 (byte {e.start})", file=file) from None
         del raw
         pairs = _parse_pairs(text, file)
         del text
@@ -262,7 +262,7 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
     try:
         entries = entries_decoder.decode(raw)
         metadata_raw = top_decoder.decode(raw).metadata
-    except decode_error:
+    except (decode_error, UnicodeDecodeError):  # not UTF-8: the exact path names the byte
         return None
     count = len(entries) - ("__metadata__" in entries)
     if raw.count(b'"') != 2 * (len(entries) + 4 * count) + bytes(metadata_raw).count(b'"'):
@@ -282,7 +282,7 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
         if end - begin != nbytes or nbytes >= _USIZE:
             return None
         position = end if begin == position else -1
-        tensors[name] = (dtype, tuple(shape), data_start + begin)
+        tensors[name] = (dtype, shape, data_start + begin)
     metadata = {} if not metadata_raw else _checked_metadata(_parse_pairs(bytes(metadata_raw).decode(), file), file)
     if position >= 0:
         _check_data_end(position, size, data_start, file)
@@ -319,7 +319,7 @@ def _typed_decoders() -> tuple[Any, Any, type[Exception]]:
     positive = Annotated[int, msgspec.Meta(ge=1)]  # zero-sized dimensions go the exact way (its overflow rule)
     entry = msgspec.defstruct("Entry", [
         ("dtype", code | None, None),
-        ("shape", Annotated[list[positive], msgspec.Meta(max_length=_MAX_NDIM)] | None, None),
+        ("shape", Annotated[tuple[positive, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None, None),
         ("data_offsets", tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]] | None, None),
     ])
     top = msgspec.defstruct("Top", [("metadata", msgspec.Raw, msgspec.Raw())], rename={"metadata": "__metadata__"})
