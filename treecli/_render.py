@@ -218,7 +218,7 @@ def _runs(children: list[Node], shape_of: dict[int, int]) -> list[list[Node]]:
 
 def _folded(run: list[Node]) -> Node:
     """One row for a run of identical siblings: their totals summed."""
-    return Node(key=run[0].key, keypath=run[0].keypath, kind="node", children=run[0].children,
+    return Node(key=run[0].key, kind="node", children=run[0].children,
                 nbytes=sum(n.nbytes for n in run), params=sum(n.params for n in run),
                 num_leaves=sum(n.num_leaves for n in run))
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from treecli import _dtypes, _keypath, _leaf, _tree
 from treecli._keypath import KeyPath, format_keypath
@@ -12,25 +12,23 @@ from treecli._keypath import KeyPath, format_keypath
 
 @dataclass(slots=True)
 class Node:
-    """One row of ``show``: an inner node with totals, an array leaf, or a value leaf."""
+    """One row of ``show``: an inner node with totals, an array leaf, or a value leaf.
+
+    A row knows its key, not its key path: the 333k rows of a big tree build their paths
+    from their parents' only where shown (``leaves_by_keypath``)."""
 
     key: Any
-    keypath: KeyPath
     kind: str  # "node", "array" or "value"
-    children: list["Node"] = field(default_factory=list)
+    children: Sequence["Node"] = ()
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     nbytes: int = 0
     params: int = 0
     num_leaves: int = 0
-    value: Any = None
+    value: Any = None  # a value leaf's value; an array row's array, for --stats to read
     stats: dict[str, Any] | None = None
     # The root's ``(arrays, params, bytes)`` per dtype, counted as ``summarize`` builds it.
     by_dtype: dict[str, list[int]] | None = None
-
-    @property
-    def text_keypath(self) -> str:
-        return format_keypath(self.keypath)
 
 
 def summarize(tree: Any, where: list[str] = ()) -> Node:
@@ -51,8 +49,8 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             shape = tuple(int(d) for d in leaf.shape)
             dtype = leaf.dtype_name if isinstance(leaf, _leaf.ArrayLeaf) else _dtypes.name(leaf.dtype)
             size = math.prod(shape)
-            return Node(key, keypath, "array", [], shape, dtype, size * _dtypes.itemsize(dtype), size, 1)
-        return Node(key, keypath, "value", [], value=leaf, num_leaves=1)
+            return Node(key, "array", (), shape, dtype, size * _dtypes.itemsize(dtype), size, 1, leaf)
+        return Node(key, "value", value=leaf, num_leaves=1)
 
     by_dtype: dict[str, list[int]] = {}
     prod, itemsize, array_leaf, child_keys, is_node = math.prod, _dtypes.itemsize, _leaf.ArrayLeaf, \
@@ -67,8 +65,8 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             child = node[k]
             if isinstance(child, array_leaf) and not patterns:
                 size = prod(child.shape)
-                row = Node(k, keypath + (k,), "array", [], child.shape, child.dtype_name,
-                           size * itemsize(child.dtype_name), size, 1)
+                row = Node(k, "array", (), child.shape, child.dtype_name, size * itemsize(child.dtype_name), size, 1,
+                           child)
             elif is_node(child):
                 row = build(child, keypath + (k,))
             else:
@@ -88,12 +86,12 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
                 totals[2] += row.nbytes
         if not kids and keypath:
             return None
-        return Node(keypath[-1] if keypath else None, keypath, "node", kids, None, None, nbytes, params, num_leaves)
+        return Node(keypath[-1] if keypath else None, "node", kids, None, None, nbytes, params, num_leaves)
 
     if is_node(tree):
         root = build(tree, ())
     else:
-        root = leaf_row(None, (), tree) or Node(key=None, keypath=(), kind="node")
+        root = leaf_row(None, (), tree) or Node(key=None, kind="node")
         if root.kind == "array":
             by_dtype[root.dtype] = [1, root.params, root.nbytes]
     root.by_dtype = by_dtype
@@ -118,7 +116,7 @@ def leaves_by_keypath(root: Node) -> list[tuple[str, Node]]:
     is its parent's and one key, formatted once per distinct key (``text_keypath`` for
     each of 200k leaves formatted 1.2M keys)."""
     if root.kind != "node":
-        return [(root.text_keypath, root)]
+        return [("", root)]
     out: list[tuple[str, Node]] = []
     key_texts: dict[tuple[type, Any], str] = {}
 
@@ -133,7 +131,7 @@ def leaves_by_keypath(root: Node) -> list[tuple[str, Node]]:
             else:
                 out.append((path, child))
 
-    walk(root, root.text_keypath)
+    walk(root, "")
     return out
 
 
@@ -200,11 +198,11 @@ def json_array(data: Any) -> Any:
     return np.vectorize(lambda x: json_value(float(x)), otypes=[object])(data).tolist()
 
 
-def add_stats(root: Node, tree: Any, progress: Callable[[int], None] | None = None) -> None:
+def add_stats(root: Node, progress: Callable[[int], None] | None = None) -> None:
     """Stream every array leaf once and attach min / max / mean / std and counts."""
     for row in leaves(root):
         if row.kind == "array":
-            row.stats = leaf_stats(_leaf.as_leaf(_tree.get(tree, row.keypath)), progress)
+            row.stats = leaf_stats(_leaf.as_leaf(row.value), progress)
 
 
 def leaf_stats(leaf: _leaf.ArrayLeaf, progress: Callable[[int], None] | None = None) -> dict[str, Any]:

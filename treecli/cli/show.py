@@ -61,7 +61,7 @@ def show(
         _gc.outlive(tree, root)
         if stats:
             with out.progress("reading", root.nbytes) as advance:
-                _summary.add_stats(root, tree, advance)
+                _summary.add_stats(root, advance)
         if json:
             document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata)
             document.update(ckpt.info)
