@@ -2,6 +2,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from .conftest import assert_clean_error, raw_safetensors
@@ -240,3 +242,27 @@ def test_tree_rows_come_depth_first_each_under_its_parent(cli, mixed_file):
         return [natural_sort_key(part) for part in name.split(".")]
 
     assert shown_leaves == sorted(tensors, key=order)
+
+
+_keys = st.sampled_from(["w", "b", "0", "1", "10", "a.b", 0, 1, 2, True])
+_leaves = st.one_of(st.sampled_from([np.zeros((2, 3), np.float32), np.zeros(4, np.int8), np.zeros((), np.float16)]),
+                    st.sampled_from([0, 1, "x", None, 2.5]))
+_trees = st.recursive(_leaves, lambda inner: st.dictionaries(_keys, inner, min_size=1, max_size=4), max_leaves=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tree=_trees.map(lambda t: {"a": t, "b": t, "c": {"x": t, "y": [t, t]}, "t": {True: t}, "o": {1: t}}),
+       plain=st.booleans(), depth=st.sampled_from([None, 1, 2, 3]))
+def test_subtrees_laid_out_once_show_as_if_each_were_laid_out(tree, plain, depth):
+    """The tree's rows below a node are laid out once per layout and repeated (a model's
+    layers); what shows is what laying out every node afresh shows, 1 and True apart."""
+    from treecli import _render, _summary
+
+    shown = list(_render.tree_lines(_summary.summarize(tree), plain=plain, depth=depth))
+    fresh = _summary.summarize(tree)
+    stack, count = [fresh], 0
+    while stack:  # every inner node a layout of its own: nothing is repeated
+        node = stack.pop()
+        node.layout, count = -1 - count, count + 1
+        stack.extend(child for child in node.children if child.kind == "node")
+    assert shown == list(_render.tree_lines(fresh, plain=plain, depth=depth))

@@ -84,7 +84,7 @@ def keyed_table(header: list[str], firsts: list[str | list[Segment]], other_cell
     Rows that show the same may share one sequence of other cells (``_cells_memo``): each
     distinct one is laid out once, and a line is its first cell, padded, and that text (333k
     rows of a big tree, ~2,000 distinct). Plain rows are joined by ``map`` (in C)."""
-    distinct = list({id(cells): cells for cells in other_cells}.values())
+    distinct = list(dict(zip(map(id, other_cells), other_cells)).values())
     widths = [max(len(title), max((len(cells[i]) for cells in distinct), default=0))
               for i, title in enumerate(header[1:])]
     formats = [f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths, 1)]
@@ -244,6 +244,25 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
             text = key_texts[(type(key), key)] = format_key(key)
         return text
 
+    # The rows below a node, once laid out, by its layout and where it stands: the same
+    # layout at the same place shows the same rows again (a model's 61 layers, each with 256
+    # experts: 333k rows, a few hundred distinct). Not with stats (each leaf its own) or
+    # folding (rows of runs).
+    laid_out: dict[tuple[int, str, int], tuple[int, int]] | None = None if stats or fold else {}
+
+    def add_subtree(node: Node, prefix: str, level: int) -> None:
+        if laid_out is None:
+            add_children(node, prefix, level)
+            return
+        span = laid_out.get((node.layout, prefix, level))
+        if span is None:
+            start = len(firsts)
+            add_children(node, prefix, level)
+            laid_out[node.layout, prefix, level] = (start, len(firsts))
+        else:
+            firsts.extend(firsts[span[0]:span[1]])
+            other_cells.extend(other_cells[span[0]:span[1]])
+
     # One call per inner node, not per row: 333k rows for a 200k-tensor header.
     def add_children(node: Node, prefix: str, level: int) -> None:
         if fold:
@@ -259,7 +278,7 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
                 other_cells.append(cells(child))
                 firsts.append(prefix + key)
                 if deeper and child.kind == "node":
-                    add_children(child, prefix + "  ", level + 1)
+                    add_subtree(child, prefix + "  ", level + 1)
             return
         last_index = len(shown) - 1
         for i, (child, key) in enumerate(shown):
@@ -268,7 +287,7 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
             firsts.append([(prefix + ("└── " if last else "├── "), "dim"),
                            (key, "bold" if child.kind == "node" else "")])
             if deeper and child.kind == "node":
-                add_children(child, prefix + ("    " if last else "│   "), level + 1)
+                add_subtree(child, prefix + ("    " if last else "│   "), level + 1)
 
     if root.kind != "node":
         firsts.append("<root>")

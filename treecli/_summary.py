@@ -27,6 +27,9 @@ class Node:
     num_leaves: int = 0
     value: Any = None  # a value leaf's value; an array row's array, for --stats to read
     stats: dict[str, Any] | None = None
+    # An inner node's layout: equal for subtrees that show the same rows (the same keys,
+    # shapes and dtypes all the way down, and no value leaf), as the layers of a model do.
+    layout: int = -1
     # The root's ``(arrays, params, bytes)`` per dtype, counted as ``summarize`` builds it.
     by_dtype: dict[str, list[int]] | None = None
 
@@ -53,6 +56,7 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
         return Node(key, "value", value=leaf, num_leaves=1)
 
     by_dtype: dict[str, list[int]] = {}
+    layouts: dict[tuple, int] = {}
     prod, itemsize, array_leaf, child_keys, is_node = math.prod, _dtypes.itemsize, _leaf.ArrayLeaf, \
         _tree.child_keys, _tree.is_node
 
@@ -60,6 +64,7 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
     # lazy array leaves are summarized inline, without a call per leaf.
     def build(node: dict | list | tuple, keypath: KeyPath) -> Node | None:
         kids = []
+        parts = []  # what the rows below show: the node's layout
         nbytes = params = num_leaves = 0
         for k in child_keys(node):
             child = node[k]
@@ -84,9 +89,16 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
                 totals[0] += 1
                 totals[1] += row.params
                 totals[2] += row.nbytes
+                part = (k, row.shape, row.dtype)
+            else:  # a value leaf's row shows its value: no other subtree shows the same
+                part = (k, row.layout) if row.kind == "node" else (k, "value", id(row))
+            # 1 == True: a key that is not a str goes with its type ("1" and "True" show apart)
+            parts.append(part if type(k) is str else (type(k), part))
         if not kids and keypath:
             return None
-        return Node(keypath[-1] if keypath else None, "node", kids, None, None, nbytes, params, num_leaves)
+        layout = layouts.setdefault(tuple(parts), len(layouts))
+        return Node(keypath[-1] if keypath else None, "node", kids, None, None, nbytes, params, num_leaves,
+                    layout=layout)
 
     if is_node(tree):
         root = build(tree, ())
