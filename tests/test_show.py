@@ -254,15 +254,36 @@ _trees = st.recursive(_leaves, lambda inner: st.dictionaries(_keys, inner, min_s
 @given(tree=_trees.map(lambda t: {"a": t, "b": t, "c": {"x": t, "y": [t, t]}, "t": {True: t}, "o": {1: t}}),
        plain=st.booleans(), depth=st.sampled_from([None, 1, 2, 3]))
 def test_subtrees_laid_out_once_show_as_if_each_were_laid_out(tree, plain, depth):
-    """The tree's rows below a node are laid out once per layout and repeated (a model's
-    layers); what shows is what laying out every node afresh shows, 1 and True apart."""
+    """Subtrees of one layout (a model's layers) share their summary rows and are laid out
+    once; what shows, in every form, is what a summary of rows of their own, each laid out
+    afresh, shows: 1 and True apart, values each their own."""
     from treecli import _render, _summary
 
-    shown = list(_render.tree_lines(_summary.summarize(tree), plain=plain, depth=depth))
-    fresh = _summary.summarize(tree)
+    def every_form(root):
+        return (list(_render.tree_lines(root, plain=plain, depth=depth)), list(_render.flat_lines(root)),
+                _render.show_json("f", "npz", root, {}), _summary.dtype_totals(root))
+
+    fresh = _summary.summarize(tree, shared=False)
     stack, count = [fresh], 0
     while stack:  # every inner node a layout of its own: nothing is repeated
         node = stack.pop()
         node.layout, count = -1 - count, count + 1
         stack.extend(child for child in node.children if child.kind == "node")
-    assert shown == list(_render.tree_lines(fresh, plain=plain, depth=depth))
+    assert every_form(_summary.summarize(tree)) == every_form(fresh)
+    totals: dict = {}  # by dtype, row by row
+    for row in _summary.leaves(fresh):
+        if row.kind == "array":
+            entry = totals.setdefault(row.dtype, [0, 0, 0])
+            entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + row.params, entry[2] + row.nbytes
+    assert sorted(_summary.dtype_totals(fresh)) == sorted((dtype, *entry) for dtype, entry in totals.items())
+
+
+def test_stats_of_layers_that_look_alike_are_each_their_own(cli, tmp_path):
+    """Identical layers share their rows in the summary; their statistics must not."""
+    path = tmp_path / "m.safetensors"
+    save_file({f"layers.{i}.w": np.full((2, 3), float(i), np.float32) for i in range(3)}, str(path))
+    leaves = cli("show", path, "--stats", "--json").json["leaves"]
+    assert [(leaf["keypath"], leaf["stats"]["mean"]) for leaf in leaves] == [
+        ("layers.0.w", 0.0), ("layers.1.w", 1.0), ("layers.2.w", 2.0)]
+    rows = [line.split() for line in cli("show", path, "--stats").stdout.splitlines() if line.strip().startswith("w ")]
+    assert [row[7] for row in rows] == ["0", "1", "2"]  # min

@@ -34,8 +34,12 @@ class Node:
     by_dtype: dict[str, list[int]] | None = None
 
 
-def summarize(tree: Any, where: list[str] = ()) -> Node:
+def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
     """The summary tree of ``tree``, restricted to the subtrees ``where`` patterns cover.
+
+    ``shared``: subtrees of one layout (a model's layers, each expert of each layer) share
+    their rows below, the first one's: made once, not once per layer. Without, each array's
+    row is its own, holding its own array (for ``add_stats``).
 
     Raises:
         KeyPathError: a ``where`` pattern that matches nothing (naming the closest key paths).
@@ -55,59 +59,80 @@ def summarize(tree: Any, where: list[str] = ()) -> Node:
             return Node(key, "array", (), shape, dtype, size * _dtypes.itemsize(dtype), size, 1, leaf)
         return Node(key, "value", value=leaf, num_leaves=1)
 
-    by_dtype: dict[str, list[int]] = {}
-    layouts: dict[tuple, int] = {}
+    first_of_layout: dict[tuple, Node] = {}
     prod, itemsize, array_leaf, child_keys, is_node = math.prod, _dtypes.itemsize, _leaf.ArrayLeaf, \
         _tree.child_keys, _tree.is_node
 
-    # The hot loop of `show` (200k leaves under 133k nodes for a 200k-tensor header):
-    # lazy array leaves are summarized inline, without a call per leaf.
+    # The hot loop of `show` (200k leaves under 133k nodes for a 200k-tensor header): an
+    # array leaf is described by a tuple, and gets a row only if its layout is new.
     def build(node: dict | list | tuple, keypath: KeyPath) -> Node | None:
-        kids = []
-        parts = []  # what the rows below show: the node's layout
-        nbytes = params = num_leaves = 0
+        keys, children, parts = [], [], []  # parts: what the rows below show, the node's layout
         for k in child_keys(node):
             child = node[k]
             if isinstance(child, array_leaf) and not patterns:
-                size = prod(child.shape)
-                row = Node(k, "array", (), child.shape, child.dtype_name, size * itemsize(child.dtype_name), size, 1,
-                           child)
-            elif is_node(child):
-                row = build(child, keypath + (k,))
+                part = (k, child.shape, child.dtype_name)
             else:
-                row = leaf_row(k, keypath + (k,), child)
-            if row is None:
-                continue
-            kids.append(row)
-            nbytes += row.nbytes
-            params += row.params
-            num_leaves += row.num_leaves
-            if row.kind == "array":
-                totals = by_dtype.get(row.dtype)
-                if totals is None:
-                    totals = by_dtype[row.dtype] = [0, 0, 0]
-                totals[0] += 1
-                totals[1] += row.params
-                totals[2] += row.nbytes
-                part = (k, row.shape, row.dtype)
-            else:  # a value leaf's row shows its value: no other subtree shows the same
-                part = (k, row.layout) if row.kind == "node" else (k, "value", id(row))
+                child = build(child, keypath + (k,)) if is_node(child) else leaf_row(k, keypath + (k,), child)
+                if child is None:
+                    continue
+                # a value leaf's row shows its value: no other subtree shows the same
+                part = ((k, child.layout) if child.kind == "node" else (k, child.shape, child.dtype)
+                        if child.kind == "array" else (k, "value", id(child)))
+            keys.append(k)
+            children.append(child)
             # 1 == True: a key that is not a str goes with its type ("1" and "True" show apart)
             parts.append(part if type(k) is str else (type(k), part))
-        if not kids and keypath:
+        if not parts and keypath:
             return None
-        layout = layouts.setdefault(tuple(parts), len(layouts))
-        return Node(keypath[-1] if keypath else None, "node", kids, None, None, nbytes, params, num_leaves,
-                    layout=layout)
+        key = keypath[-1] if keypath else None
+        layout = tuple(parts)
+        first = first_of_layout.get(layout)
+        if first is not None and shared:
+            return Node(key, "node", first.children, None, None, first.nbytes, first.params, first.num_leaves,
+                        layout=first.layout)
+        kids = []
+        for k, child in zip(keys, children):
+            if isinstance(child, array_leaf):
+                size = prod(child.shape)
+                child = Node(k, "array", (), child.shape, child.dtype_name, size * itemsize(child.dtype_name), size,
+                             1, child)
+            kids.append(child)
+        row = Node(key, "node", kids, None, None, sum(c.nbytes for c in kids), sum(c.params for c in kids),
+                   sum(c.num_leaves for c in kids), layout=first.layout if first else len(first_of_layout))
+        first_of_layout.setdefault(layout, row)
+        return row
 
     if is_node(tree):
         root = build(tree, ())
     else:
         root = leaf_row(None, (), tree) or Node(key=None, kind="node")
-        if root.kind == "array":
-            by_dtype[root.dtype] = [1, root.params, root.nbytes]
-    root.by_dtype = by_dtype
+    root.by_dtype = _by_dtype(root)
     return root
+
+
+def _by_dtype(root: Node) -> dict[str, list[int]]:
+    """``(arrays, params, bytes)`` per dtype under ``root``, each layout counted once."""
+    of_layout: dict[int, dict[str, list[int]]] = {}
+
+    def count(node: Node) -> dict[str, list[int]]:
+        if node.kind == "array":
+            return {node.dtype: [1, node.params, node.nbytes]}
+        if node.kind == "value":
+            return {}
+        found = of_layout.get(node.layout)
+        if found is None:
+            found = {}
+            for child in node.children:
+                for dtype, (arrays, params, nbytes) in count(child).items():
+                    totals = found.setdefault(dtype, [0, 0, 0])
+                    totals[0] += arrays
+                    totals[1] += params
+                    totals[2] += nbytes
+            if node.layout >= 0:
+                of_layout[node.layout] = found
+        return found
+
+    return count(root)
 
 
 def leaves(root: Node) -> list[Node]:

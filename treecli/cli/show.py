@@ -57,7 +57,7 @@ def show(
                 known = f"; items: {', '.join(items)}" if items else " (not a CheckpointManager step)"
                 raise UsageError(f"no item {item!r}{known}", file=str(checkpoint))
             tree = {item: tree[item]}
-        root = _summary.summarize(tree, where or [])
+        root = _summary.summarize(tree, where or [], shared=not stats)  # stats: each leaf a row of its own
         _gc.outlive(tree, root)
         if stats:
             with out.progress("reading", root.nbytes) as advance:
