@@ -251,7 +251,15 @@ _trees = st.recursive(_leaves, lambda inner: st.dictionaries(_keys, inner, min_s
 
 
 @settings(max_examples=200, deadline=None)
-@given(tree=_trees.map(lambda t: {"a": t, "b": t, "c": {"x": t, "y": [t, t]}, "t": {True: t}, "o": {1: t}}),
+def _reversed(tree):
+    """The same tree, each dict's keys stored in the opposite order."""
+    if isinstance(tree, dict):
+        return {k: _reversed(tree[k]) for k in reversed(tree)}
+    return [_reversed(v) for v in tree] if isinstance(tree, list) else tree
+
+
+@given(tree=_trees.map(lambda t: {"a": t, "b": t, "c": {"x": t, "y": [t, t]}, "t": {True: t}, "o": {1: t},
+                                  "r": _reversed(t)}),
        plain=st.booleans(), depth=st.sampled_from([None, 1, 2, 3]))
 def test_subtrees_laid_out_once_show_as_if_each_were_laid_out(tree, plain, depth):
     """Subtrees of one layout (a model's layers) share their summary rows and are laid out
