@@ -167,7 +167,8 @@ def _visible_lines(lines: list[str | list[tuple[str, str]]]) -> str:
     """Lines as printed to a pipe: unstyled, each ended by a newline, with terminal controls
     escaped. Checked a batch at a time, in C, when none holds a control (a call per line was
     a fifth of the time of showing a 200k-tensor tree)."""
-    lines = [line if type(line) is str else "".join(t for t, _ in line).rstrip() for line in lines]
+    if not set(map(type, lines)) <= {str}:
+        lines = [line if type(line) is str else "".join(t for t, _ in line).rstrip() for line in lines]
     if "".join(lines).isprintable():
         return "\n".join(lines) + "\n"
     return "".join(visible(line) + "\n" for line in lines)

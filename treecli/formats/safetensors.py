@@ -157,10 +157,11 @@ def parse_header(read: Callable[[int, int], bytes], size: int | Callable[[int], 
             file=file,
         )
     raw = read(8, header_len)
-    _refuse_parse_bombs(raw, file)
+    quotes = raw.count(b'"')
+    _refuse_parse_bombs(raw, quotes, file)
     with _gc.paused():
         if header_len >= _TYPED_FROM:  # msgspec takes only UTF-8: any other header goes the exact way
-            common = _typed_header(raw, size, 8 + header_len, file)
+            common = _typed_header(raw, quotes, size, 8 + header_len, file)
             if common is not None:
                 return common
         try:
@@ -183,9 +184,10 @@ _COST_CONTAINER, _COST_QUOTE, _COST_COMMA = 120, 30, 40
 PARSE_BUDGET = 1_250_000_000
 
 
-def _refuse_parse_bombs(raw: bytes, file: str) -> None:
+def _refuse_parse_bombs(raw: bytes, quotes: int, file: str) -> None:
+    """Refuse a header (holding ``quotes`` double quotes) that would cost more than PARSE_BUDGET."""
     containers = raw.count(b"[") + raw.count(b"{")
-    quotes, commas = raw.count(b'"'), raw.count(b",")
+    commas = raw.count(b",")
     cost = len(raw) + _COST_CONTAINER * containers + _COST_QUOTE * quotes + _COST_COMMA * commas
     if cost > PARSE_BUDGET:
         raise FormatError(f"header would take about {cost / 2**30:.1f} GiB of memory to parse ({containers} JSON "
@@ -244,11 +246,12 @@ def _checked_metadata(info: Any, file: str) -> dict[str, str]:
 _TYPED_FROM = 1 << 15
 
 
-def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
+def _typed_header(raw: bytes, quotes: int, size: int | Callable[[int], int], data_start: int,
                   file: str) -> tuple[dict, dict[str, str], int] | None:
     """``_check_header``'s result for a header in the form writers produce, decoded and
     checked the fast way; None for anything else (an escape, a negative number, a key
     twice, an entry out of the ordinary), which the exact path then reads and names.
+    ``quotes``: how many double quotes ``raw`` holds (counted once, for the size check too).
 
     A JSON object decoded into a dict keeps the last of duplicate keys, and a struct skips
     fields it does not know. Neither can hide anything here: without a backslash every
@@ -265,7 +268,7 @@ def _typed_header(raw: bytes, size: int | Callable[[int], int], data_start: int,
     except (decode_error, UnicodeDecodeError):  # not UTF-8: the exact path names the byte
         return None
     count = len(entries) - ("__metadata__" in entries)
-    if raw.count(b'"') != 2 * (len(entries) + 4 * count) + bytes(metadata_raw).count(b'"'):
+    if quotes != 2 * (len(entries) + 4 * count) + bytes(metadata_raw).count(b'"'):
         return None
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     codes, itemsizes, prod = _CODES, _ITEMSIZE, math.prod
