@@ -260,15 +260,15 @@ def _reversed(tree):
 
 @given(tree=_trees.map(lambda t: {"a": t, "b": t, "c": {"x": t, "y": [t, t]}, "t": {True: t}, "o": {1: t},
                                   "r": _reversed(t)}),
-       plain=st.booleans(), depth=st.sampled_from([None, 1, 2, 3]))
-def test_subtrees_laid_out_once_show_as_if_each_were_laid_out(tree, plain, depth):
+       plain=st.booleans(), fold=st.booleans(), depth=st.sampled_from([None, 1, 2, 3]))
+def test_subtrees_laid_out_once_show_as_if_each_were_laid_out(tree, plain, fold, depth):
     """Subtrees of one layout (a model's layers) share their summary rows and are laid out
     once; what shows, in every form, is what a summary of rows of their own, each laid out
     afresh, shows: 1 and True apart, values each their own."""
     from treecli import _render, _summary
 
     def every_form(root):
-        return (list(_render.tree_lines(root, plain=plain, depth=depth)), list(_render.flat_lines(root)),
+        return (list(_render.tree_lines(root, plain=plain, fold=fold, depth=depth)), list(_render.flat_lines(root)),
                 _render.show_json("f", "npz", root, {}), _summary.dtype_totals(root))
 
     fresh = _summary.summarize(tree, shared=False)
