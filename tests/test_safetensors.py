@@ -545,3 +545,32 @@ def test_a_header_length_that_starts_like_a_pickle_is_still_safetensors(tmp_path
     path.write_bytes(struct.pack("<Q", 640) + header + b"\0" * 4)
     assert path.read_bytes()[:2] == b"\x80\x02"
     assert treecli.load(path)["w"].read().tolist() == [0.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.lists(st.lists(st.sampled_from(["", "a", "b", "0"]), min_size=1, max_size=4).map(".".join),
+                     unique=True, min_size=1, max_size=8))
+def test_flat_keys_nest_as_their_segments_say(keys):
+    """Keys nest into the tree their dot-separated segments spell (empty segments too:
+    ``.a`` is ``a`` under the key ``""``), whatever their order; keys where one is a leaf and
+    a prefix of another open flat."""
+    from treecli.formats import _flatkeys
+
+    expected: dict | None = {}
+    for key in keys:
+        *parents, last = key.split(".")
+        node = expected
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                expected = None
+                break
+        if expected is None or last in node:
+            expected = None
+            break
+        node[last] = key
+    tree, warning = _flatkeys.nest([(key, key) for key in keys], ".")
+    if expected is None:
+        assert tree == {key: key for key in keys} and "cannot nest" in warning
+    else:
+        assert (tree, warning) == (expected, None)

@@ -22,8 +22,9 @@ class FileArrayLeaf(ArrayLeaf):
     def __init__(self, reader: Source, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader
         self.offset = offset
-        self.shape = tuple(shape)
-        self.dtype_name = _dtypes.name(dtype_name)
+        # 200k of these for a big header: no call where the header's types already fit
+        self.shape = shape if type(shape) is tuple else tuple(shape)
+        self.dtype_name = dtype_name if type(dtype_name) is str else _dtypes.name(dtype_name)
 
     def read_flat(self, start: int, stop: int):
         import numpy as np

@@ -34,9 +34,13 @@ def nest(items: list[tuple[str, Any]], separator: str) -> tuple[dict, str | None
             inner[prefix] = node
         return node
 
+    last_prefix, node = None, None  # keys come grouped by prefix: the last one's, without a lookup
     for key, leaf in items:
         prefix, sep, last = key.rpartition(separator)
-        node = inner.get(prefix) if sep else root
+        if not sep:
+            node, last_prefix = root, None
+        elif prefix != last_prefix:
+            node, last_prefix = inner.get(prefix), prefix
         if node is None:  # the first key under this prefix
             if prefix.count(separator) + 2 > _tree.MAX_DEPTH:
                 return {k: v for k, v in items}, (f"key {key!r} has {prefix.count(separator) + 2} segments, more "
