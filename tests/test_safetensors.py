@@ -113,6 +113,9 @@ BAD_FILES = {
                                       '"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
                       "duplicate key 'w'"),
     "not_utf8": (raw_safetensors(b'{"\xff":1}'), "UTF-8"),
+    # found by fuzz/fuzz_formats.py typed: msgspec skipped a metadata key that is not UTF-8
+    "metadata_not_utf8": (raw_safetensors(b'{"__metadata__":{"\x93":"v"},"w":{"dtype":"F32","shape":[1],'
+                                          b'"data_offsets":[0,4]}}', b"\0" * 4), "UTF-8"),
     "not_object": (raw_safetensors("[1, 2]"), "not an object"),
     "nan_literal": (raw_safetensors('{"a": NaN}'), "NaN"),
     "deep_nesting": (raw_safetensors("[" * 100_000 + "]" * 100_000), "nested too deeply"),

@@ -286,7 +286,11 @@ def _typed_header(raw: bytes, quotes: int, size: int | Callable[[int], int], dat
             return None
         position = end if begin == position else -1
         tensors[name] = (dtype, shape, data_start + begin)
-    metadata = {} if not metadata_raw else _checked_metadata(_parse_pairs(bytes(metadata_raw).decode(), file), file)
+    try:  # (kept raw, the metadata is the one part msgspec did not check for UTF-8)
+        metadata_text = bytes(metadata_raw).decode()
+    except UnicodeDecodeError:
+        return None
+    metadata = {} if not metadata_raw else _checked_metadata(_parse_pairs(metadata_text, file), file)
     if position >= 0:
         _check_data_end(position, size, data_start, file)
     else:
