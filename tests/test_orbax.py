@@ -7,6 +7,8 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis.extra import numpy as hnp
 from safetensors.numpy import load_file
 
 import treecli
@@ -226,3 +228,75 @@ def test_a_strings_file_of_other_json_is_one_clear_line(cli, tmp_path, strings):
     result = cli("show", path)
     assert_clean_error(result, "_strings.json", "object of strings")
     assert "Error:" not in result.stderr  # no internal exception's name
+
+
+class _ReadRecorder:
+    """A TensorStore array standing in for an Orbax leaf's, recording how many elements each
+    read takes (the memory a read needs)."""
+
+    def __init__(self, store, reads):
+        self._store, self._reads = store, reads
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def __getitem__(self, index):
+        return _ReadRecorder(self._store[index], self._reads)
+
+    def read(self):
+        self._reads.append(int(np.prod(self._store.shape)))
+        return self._store.read()
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    """An array of 8 MiB saved in chunks of 64 KiB ((128, 128) float32), as a pod's shards or
+    ``chunk_byte_size`` store it, beside one that is not chunked."""
+    path = tmp_path_factory.mktemp("orbax") / "chunked"
+    rng = np.random.default_rng(3)
+    tree = {"big": rng.standard_normal((4096, 512)).astype(np.float32), "small": np.arange(10, dtype=np.int64)}
+    ocp.PyTreeCheckpointer().save(str(path), tree, save_args={"big": ocp.SaveArgs(chunk_byte_size=64 << 10),
+                                                             "small": ocp.SaveArgs()})
+    return path, tree
+
+
+def test_a_chunked_array_streams_a_band_of_chunks_at_a_time(chunked, tmp_path):
+    """Converting reads a chunked array a band of chunk rows at a time, each a chunk of the
+    stream's (4 MiB) rounded out to whole chunks: memory that does not grow with the array."""
+    from treecli._leaf import CHUNK_BYTES
+
+    path, tree = chunked
+    reads: list[int] = []
+    with treecli.open(path) as ckpt:
+        leaf = ckpt.tree["big"]
+        band = leaf._store.chunk_layout.read_chunk.shape[0] * leaf.shape[1]
+        assert band < leaf.size  # (the fixture is chunked along its rows)
+        leaf._store = _ReadRecorder(leaf._store, reads)
+        treecli.save(ckpt.tree, tmp_path / "out.safetensors")
+    assert len(reads) > 1 and max(reads) <= CHUNK_BYTES // 4 + 2 * band < leaf.size
+    out = load_file(str(tmp_path / "out.safetensors"))
+    assert bits(out["big"]) == bits(tree["big"]) and bits(out["small"]) == bits(tree["small"])
+
+
+def test_an_index_into_a_chunked_array_reads_only_the_chunks_it_touches(chunked):
+    path, tree = chunked
+    reads: list[int] = []
+    with treecli.open(path) as ckpt:
+        leaf = ckpt.tree["big"]
+        chunk = int(np.prod(leaf._store.chunk_layout.read_chunk.shape))
+        leaf._store = _ReadRecorder(leaf._store, reads)
+        for index in [(5,), (slice(700, 650, -3), slice(3, 300, 7)), (Ellipsis, 511), (-1, -1), ()]:
+            reads.clear()
+            assert bits(leaf.read(index)) == bits(tree["big"][index])
+            if index != ():
+                assert max(reads) <= 4 * chunk  # never the whole array
+
+
+@settings(max_examples=60, deadline=None)
+@given(index=hnp.basic_indices(shape=(4096, 512), allow_newaxis=True, allow_ellipsis=True))
+def test_any_basic_index_into_a_chunked_array_reads_as_numpy_does(chunked, index):
+    path, tree = chunked
+    with treecli.open(path) as ckpt:
+        got = ckpt.tree["big"].read(index)
+    want = tree["big"][index]
+    assert got.shape == want.shape and bits(got) == bits(want)

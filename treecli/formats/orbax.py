@@ -324,8 +324,10 @@ def _inside(directory: Folder, name: str, keypath: tuple) -> str:
 
 
 class OrbaxLeaf(_leaf.WholeLeaf):
-    """An array in an Orbax checkpoint. Orbax stores each array compressed (one
-    zstd chunk in 0.12), so it is read whole: one leaf in memory at a time."""
+    """An array in an Orbax checkpoint. Orbax stores an array compressed, by default as one
+    chunk (0.12), which is read whole: one leaf in memory at a time. An array stored in
+    several chunks (a pod's shards, ``chunk_byte_size``) is read a band of chunk rows at a
+    time, and an index reads only the chunks it touches."""
 
     def __init__(self, store: Any, file: str, name: str):
         self._store = store
@@ -333,20 +335,75 @@ class OrbaxLeaf(_leaf.WholeLeaf):
         self._name = name
         self.shape = tuple(int(d) for d in store.shape)
         self.dtype_name = store.dtype.numpy_dtype.name
+        # Rows of axis 0 per chunk, where its chunks split that axis: how reads are banded
+        chunk_rows = int(store.chunk_layout.read_chunk.shape[0]) if self.shape else 0
+        self._band_rows = chunk_rows if 0 < chunk_rows < self.shape[0] else None
+        self._band: tuple[int, int, Any] | None = None  # the band read last: (start, stop, flat data)
 
     def load(self):
+        return self._read_box(())
+
+    def read_flat(self, start: int, stop: int):
+        if self._band_rows is None:
+            return super().read_flat(start, stop)
+        band = self._band
+        if band is None or not band[0] <= start <= stop <= band[1]:
+            row = max(1, self.size // self.shape[0])
+            first = start // row // self._band_rows * self._band_rows
+            last = min(self.shape[0], -(-max(stop, start + 1) // row // self._band_rows) * self._band_rows)
+            band = self._band = (first * row, last * row, self._read_box((slice(first, last),)))
+        data = band[2][start - band[0] : stop - band[0]]
+        if stop >= self.size:
+            self._band = None
+        return data
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        from treecli import _index
+
+        if self._band_rows is None:
+            return super().read(index)
+        index = index if isinstance(index, tuple) else (index,)
+        final_shape = _index.result_shape(self.shape, index)  # (an index NumPy refuses fails here)
+        # The box the selection lies in, read through TensorStore, then the selection within it
+        box, within = [], []
+        for selector in _index.selectors(self.shape, index):
+            if isinstance(selector, int):
+                box.append(slice(selector, selector + 1))
+                within.append(0)
+            elif len(selector) == 0:
+                box.append(slice(0, 0))
+                within.append(slice(None))
+            else:
+                low, high = min(selector[0], selector[-1]), max(selector[0], selector[-1])
+                box.append(slice(low, high + 1))
+                within.append(_within(selector, low))
+        data = self._read_box(tuple(box)).reshape([b.stop - b.start for b in box])
+        return np.array(data[tuple(within)], copy=True).reshape(final_shape)
+
+    def _read_box(self, box: tuple):
+        """The elements of ``self[box]`` (slices of the leading axes), flat."""
+        rows = box[0].stop - box[0].start if box else self.shape[0] if self.shape else 1
+        nbytes = self.nbytes // max(1, self.shape[0]) * rows if self.shape else self.nbytes
         # Checked first: a 2 KB checkpoint may declare 2**37 elements of fill value, and
         # tensorstore allocating them aborts the whole process (std::bad_alloc).
         available = _memory.available()
-        if available is not None and 2 * self.nbytes > available:
-            raise FormatError(f"the array is {self.nbytes / 2**30:.1f} GiB, read whole from Orbax, but "
+        if available is not None and 2 * nbytes > available:
+            raise FormatError(f"{nbytes / 2**30:.1f} GiB of the array must be read at once from Orbax, but "
                               f"{available / 2**30:.1f} GiB of memory is available", file=self._file,
                               keypath=self._name)
         try:
-            return self._store.read().result().reshape(-1)
+            return (self._store[box] if box else self._store).read().result().reshape(-1)
         except Exception as e:  # tensorstore raises ValueError and friends with long messages
             raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
                               keypath=self._name) from None
+
+
+def _within(selector: range, low: int) -> slice:
+    """The slice that takes ``selector``'s positions from a box starting at ``low``."""
+    stop = selector[-1] - low + selector.step  # one step past the last: below 0 means "to the start"
+    return slice(selector[0] - low, stop if stop >= 0 else None, selector.step)
 
 
 # --- writing --------------------------------------------------------------------------------
