@@ -9,11 +9,13 @@ beside a fair reference measured in the same interleaved run:
   edit --cast bfloat16     the same stream with a NumPy cast of each chunk;
   convert Orbax -> st      the same 32 leaves saved by Orbax's StandardCheckpointer: each
                            array read whole through TensorStore, written and fsynced
-                           as above; treecli verified and --no-verify.
+                           as above; treecli verified and --no-verify. orbax-chunked:
+                           the same, saved in 4 MiB chunks (chunk_byte_size).
 
-    python bench/streams.py [--runs 5] [--gib 1] [--jobs diff-equal,diff-different,convert,cast,orbax]
+    python bench/streams.py [--runs 5] [--gib 1] [--jobs diff-equal,diff-different,convert,cast,orbax,orbax-chunked]
 
-Wall time is the median of --runs, taken in turns (treecli, reference, treecli, ...);
+Wall time is the median of --runs, taken in turns (treecli, reference, treecli, ...), with
+the largest peak RSS of each;
 the load average and how full the page cache was are printed with the results.
 Page cache warm for inputs; outputs are deleted and synced between runs.
 Targets (issue 19): diff <= 1.2x its reference; verified convert <= 1.5x the floor;
@@ -48,6 +50,9 @@ checkpointer = ocp.StandardCheckpointer()
 checkpointer.save(f"{directory}/orbax", {k.replace(".", "_"): v for k, v in a.items()})
 checkpointer.wait_until_finished()
 checkpointer.close()
+# The same arrays in chunks of 4 MiB (as a pod's shards or chunk_byte_size store them)
+ocp.PyTreeCheckpointer().save(f"{directory}/orbax_chunked", {k.replace(".", "_"): v for k, v in a.items()},
+                              save_args={k.replace(".", "_"): ocp.SaveArgs(chunk_byte_size=4 << 20) for k in a})
 '''
 
 CHILD = r'''
@@ -153,7 +158,8 @@ else:
             f.flush()
             os.fsync(f.fileno())
 elapsed = time.perf_counter() - start
-print(json.dumps({"seconds": elapsed}))
+import resource
+print(json.dumps({"seconds": elapsed, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 '''
 
 JOBS = {  # job: (the treecli runs, the reference, the inputs)
@@ -162,10 +168,12 @@ JOBS = {  # job: (the treecli runs, the reference, the inputs)
     "convert": (["convert", "convert-noverify"], "convert", ["a"]),
     "cast": (["cast"], "cast", ["a"]),
     "orbax": (["orbax", "orbax-noverify"], "orbax", ["orbax"]),
+    "orbax-chunked": (["orbax", "orbax-noverify"], "orbax", ["orbax_chunked"]),
 }
 
 
-def run(job: str, tool: str, out: Path, inputs: list[Path]) -> float:
+def run(job: str, tool: str, out: Path, inputs: list[Path]) -> tuple[float, int]:
+    """Seconds and peak RSS (MB) of one run, in a child process."""
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.sync()  # else the previous run's dirty pages throttle this run's writes
@@ -173,7 +181,8 @@ def run(job: str, tool: str, out: Path, inputs: list[Path]) -> float:
                             capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"{tool} {job} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return measured["seconds"], measured["peak_mb"]
 
 
 def cache_state() -> str:
@@ -193,27 +202,33 @@ def main() -> None:
         tmp = Path(tmp)
         subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib)], check=True)
         warm = [tmp / f"{name}.safetensors" for name in ("a", "same", "other")]
-        warm += [p for p in (tmp / "orbax").rglob("*") if p.is_file()]
+        warm += [p for name in ("orbax", "orbax_chunked") for p in (tmp / name).rglob("*") if p.is_file()]
         for path in warm:  # warm the page cache from another process
             subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
         print(f"{(tmp / 'a.safetensors').stat().st_size / 2**30:.2f} GiB fp32; before: {cache_state()}")
         print(f"{'job':<34} {'treecli':>9} {'reference':>10} {'ratio':>7}")
         for job in args.jobs.split(","):
             ours_jobs, reference_job, names = JOBS[job]
-            inputs = [tmp / (n if n == "orbax" else f"{n}.safetensors") for n in names]
+            inputs = [tmp / (n if n.startswith("orbax") else f"{n}.safetensors") for n in names]
             times: dict[str, list[float]] = {j: [] for j in [*ours_jobs, "reference"]}
+            peaks: dict[str, list[int]] = {j: [] for j in times}
             suffix = ".npz" if job == "convert" else ".safetensors"
             for _ in range(args.runs):  # interleaved: ours, the reference, ours, ...
                 for ours in ours_jobs:
-                    times[ours].append(run(ours, "treecli", tmp / f"out{suffix}", inputs))
-                times["reference"].append(run(reference_job, "reference", tmp / f"ref{suffix}", inputs))
+                    seconds, peak = run(ours, "treecli", tmp / f"out{suffix}", inputs)
+                    times[ours].append(seconds)
+                    peaks[ours].append(peak)
+                seconds, peak = run(reference_job, "reference", tmp / f"ref{suffix}", inputs)
+                times["reference"].append(seconds)
+                peaks["reference"].append(peak)
             reference = statistics.median(times["reference"])
             for ours in ours_jobs:
                 median = statistics.median(times[ours])
                 spread = f"{min(times[ours]):.2f}-{max(times[ours]):.2f}"
-                print(f"{ours:<34} {median:>8.2f}s {reference:>9.2f}s {median / reference:>6.2f}x   "
-                      f"(treecli {spread} s, reference {min(times['reference']):.2f}-"
-                      f"{max(times['reference']):.2f} s)")
+                label = f"{ours} (chunked)" if job == "orbax-chunked" else ours
+                print(f"{label:<34} {median:>8.2f}s {reference:>9.2f}s {median / reference:>6.2f}x   "
+                      f"(treecli {spread} s, {max(peaks[ours])} MB; reference {min(times['reference']):.2f}-"
+                      f"{max(times['reference']):.2f} s, {max(peaks['reference'])} MB)")
         print(f"after: {cache_state()}")
 
 

@@ -588,3 +588,25 @@ def test_in_place_on_shards_whose_directory_sync_fails_keeps_the_old_checkpoint(
     result = cli("edit", directory, "--in-place", "--scale", "**=2", "-q")
     assert_clean_error(result, "unchanged")
     assert tree_listing(directory) == before  # the old index and every shard it names
+
+
+@pytest.mark.parametrize("args", [["convert", "{src}", "{dir}/out.npz"], ["edit", "{src}", "--in-place", "--scale", "w=2"],
+                                  ["convert", "{src}", "{dir}/shards", "--max-shard-size", "1KB"]])
+def test_an_output_that_would_not_fit_on_its_disk_is_refused_before_writing(cli, tmp_path, monkeypatch, args):
+    """Refused at once with the sizes, rather than failing (ENOSPC) after writing for minutes;
+    nothing written, the input untouched."""
+    src = tmp_path / "in" / "m.safetensors"
+    src.parent.mkdir()
+    save_file({"w": np.ones(4096, np.float32), "b": np.zeros(16, np.float32)}, str(src))
+    before = src.read_bytes()
+    real_statvfs = os.statvfs
+
+    def almost_full(path):
+        real = real_statvfs(path)
+        return os.statvfs_result((real.f_bsize, 4096, real.f_blocks, 1, 1, *real[5:]))  # one block free
+
+    monkeypatch.setattr(os, "statvfs", almost_full)
+    result = cli(*[a.format(src=src, dir=tmp_path) for a in args])
+    assert_clean_error(result, "16.1 KiB", "free")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"] and [p.name for p in src.parent.iterdir()] == ["m.safetensors"]
+    assert src.read_bytes() == before

@@ -28,10 +28,10 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _atomic
+from treecli import _atomic, _leaf, _tree
 from treecli._bytes import stream
 from treecli._bytes.local import special_kind
-from treecli._errors import UsageError, in_cli, option
+from treecli._errors import TreecliError, UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, WriteOptions
 
 def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
@@ -108,6 +108,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     failure leaves the previous output (or none) and no new one.
     """
     existing = check_target(target, sources, force=force)
+    check_room(fmt, tree, target.parent, target)
     if verify:
         options = dataclasses.replace(options, digests=getattr(verify, "digests", None), reread=True)
     if is_dir:
@@ -145,6 +146,9 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
         raise UsageError("--in-place does not rewrite a CheckpointManager step or root (other steps and items "
                          "share it); write the edited step with -o, e.g. treecli edit ROOT --step N -o OUT",
                          file=checkpoint.file)
+    # the new files are written beside the old ones, which stay until they are replaced
+    check_room(fmt, tree, origin.path.parent if origin.layout in ("file", "sharded") else origin.path,
+               Path(checkpoint.file))
     if origin.layout == "file":
         like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
         if not stat.S_ISREG(like.st_mode):
@@ -159,6 +163,26 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
     with _atomic.atomic_directory(origin.path, replace=True) as built:
         fmt.write(tree, built, options)
     return origin.path
+
+
+def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
+    """Refuse an output whose arrays would not fit in the free space of ``directory``'s
+    filesystem, before anything is written (rather than failing with a full disk after
+    minutes of writing, or streaming the 512 GiB of fill values a 2 KB Orbax checkpoint
+    may declare). Formats that compress (``fmt.compresses``) are not judged by the size."""
+    if getattr(fmt, "compresses", False):
+        return
+    try:
+        info = os.statvfs(directory)
+    except OSError:  # (no such call here, or the directory is gone: the write will say)
+        return
+    free = info.f_bavail * info.f_frsize
+    needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
+    if needed > free:
+        from treecli._render import human_bytes
+
+        raise TreecliError(f"the output's arrays need {human_bytes(needed)}, but its filesystem has "
+                           f"{human_bytes(free)} free; nothing was written", file=str(target))
 
 
 def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOptions,

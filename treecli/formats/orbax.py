@@ -39,6 +39,7 @@ _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 class _Format:
     name = "orbax"
     holds_numbers = True  # a Python int is stored as Orbax stores it: a scalar
+    compresses = True  # its arrays take less room on disk than in memory (zstd)
     extensions: tuple[str, ...] = ()
     separator = None
 
