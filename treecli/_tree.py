@@ -55,6 +55,18 @@ def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
     return out
 
 
+def leaves(tree: Any) -> Iterator[Any]:
+    """Every leaf, as stored: no key paths, no display order (for totals; a 200k-leaf
+    tree's ``flatten`` takes 0.3 s sorting keys)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if is_node(node):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+        else:
+            yield node
+
+
 def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
     """Every node, inner and leaf, with its key path (the root first)."""
     stack: list[tuple[KeyPath, Any]] = [((), tree)]

@@ -177,7 +177,7 @@ def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
     except OSError:  # (no such call here, or the directory is gone: the write will say)
         return
     free = info.f_bavail * info.f_frsize
-    needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
+    needed = sum(_leaf.as_leaf(x).nbytes for x in _tree.leaves(tree) if _leaf.is_array(x))
     if needed > free:
         from treecli._render import human_bytes
 
