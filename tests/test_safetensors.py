@@ -1,4 +1,5 @@
 import json
+import re
 import struct
 
 import ml_dtypes
@@ -577,3 +578,20 @@ def test_flat_keys_nest_as_their_segments_say(keys):
         assert tree == {key: key for key in keys} and "cannot nest" in warning
     else:
         assert (tree, warning) == (expected, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="-0a,:[ \n\"", max_size=400), as_bytes=st.booleans(),
+       dashes_for_regex=st.sampled_from([0, 3, 256]))
+def test_a_minus_starting_a_number_is_found_however_many_dashes_there_are(text, as_bytes, dashes_for_regex):
+    """A ``-`` first or after ``[``, ``,``, ``:`` or white space sends a big header the exact
+    way; dashes elsewhere (an index's ``model-00001-of-00163`` names, 280k of them) do not.
+    Few dashes are looked at one by one, many in one regex pass: both ways alike."""
+    from treecli.formats import safetensors
+
+    expected = re.search(r"(?:^|[\[,: \t\r\n])-", text) is not None
+    saved, safetensors.DASHES_FOR_REGEX = safetensors.DASHES_FOR_REGEX, dashes_for_regex
+    try:
+        assert safetensors._has_negative_number(text.encode() if as_bytes else text) == expected
+    finally:
+        safetensors.DASHES_FOR_REGEX = saved

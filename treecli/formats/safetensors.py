@@ -300,13 +300,22 @@ def _typed_header(raw: bytes, quotes: int, size: int | Callable[[int], int], dat
     return tensors, metadata, data_start
 
 
+# A minus after what may come before a number (the first byte is checked apart), searched
+# for in one pass where the first 64 KiB after the first dash hold more than DASHES_FOR_REGEX.
+_MINUS_AFTER = {bytes: re.compile(rb"[\[,: \t\r\n]-"), str: re.compile(r"[\[,: \t\r\n]-")}
+DASHES_FOR_REGEX = 256
+
+
 def _has_negative_number(raw: bytes | str) -> bool:
     """A ``-`` starting a number (first, or after ``[``, ``,``, ``:`` or a space) in JSON
     bytes or text; one in a string only sends it down the exact path."""
     # One pass of memchr per dash: searching for each two-byte start ("[-", ":-", ...) took
-    # 20 ms apiece on a 22 MB header.
+    # 20 ms apiece on a 22 MB header. Many dashes (an MoE index's 280k in shard names) take
+    # one regex pass instead: 0.03 s for its 8 MB, where a find per dash took 0.12 s.
     minus, before = (b"-", b"[,: \t\r\n") if isinstance(raw, bytes) else ("-", "[,: \t\r\n")
     at = raw.find(minus)
+    if at > 0 and raw.count(minus, at, at + (1 << 16)) > DASHES_FOR_REGEX:
+        return _MINUS_AFTER[type(raw)].search(raw, at - 1) is not None
     while at != -1:
         if at == 0 or raw[at - 1 : at] in before:
             return True
