@@ -636,24 +636,22 @@ def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: 
     every tensor is in exactly the shard the index names."""
     file = checkpoint.file
     items: list[tuple[str, Any]] = []
-    owner: dict[str, str] = {}
     for shard, (reader, tensors, metadata) in opened.items():
         checkpoint._closers.append(reader.close)
         for key, value in metadata.items():
             checkpoint.metadata.setdefault(key, value)
         for name, (dtype, shape, offset) in tensors.items():
-            if name in owner:
-                raise FormatError(f"tensor is in two shards: {owner[name]} and {shard}", file=file, keypath=name)
-            owner[name] = shard
+            # (a tensor in two shards is in one the index does not name; a shard holds a name once)
             if weight_map.get(name) != shard:
                 raise FormatError(
                     f"tensor is stored in shard {shard} but the index maps it to {weight_map.get(name)!r}",
                     file=file, keypath=name,
                 )
             items.append((name, FileArrayLeaf(reader, offset, shape, dtype)))
-    for name, shard in weight_map.items():
-        if name not in owner:
-            raise FormatError(f"the index maps this tensor to shard {shard}, which does not hold it", file=file, keypath=name)
+    if len(items) != len(weight_map):  # every tensor found is mapped: some mapped one was not found
+        held = {name for name, _ in items}
+        name, shard = next((name, shard) for name, shard in weight_map.items() if name not in held)
+        raise FormatError(f"the index maps this tensor to shard {shard}, which does not hold it", file=file, keypath=name)
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     if warning:
         checkpoint.warnings.append(warning)
