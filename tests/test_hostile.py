@@ -69,6 +69,17 @@ def test_json_carries_hostile_names_exactly(hostile_file):
     assert document["metadata"]["bidi"] == "a\u202eb"
 
 
+@pytest.mark.parametrize("name", ["del\x7f", "c1\x9b", "bidi\u202e"])
+def test_json_of_a_file_whose_one_control_is_its_only_odd_character(tmp_path, name):
+    """All ASCII but a DEL (or one C1 or bidi control): still escaped in the JSON."""
+    path = tmp_path / "m.safetensors"
+    save_file({name: np.ones(2, np.float32), "plain": np.zeros(1, np.float32)}, str(path))
+    result = run_cli("show", path, "--json")
+    assert_terminal_safe(result)
+    assert {leaf["keypath"] for leaf in json.loads(result.stdout)["leaves"]} == {
+        __import__("treecli").format_keypath((name,)), "plain"}
+
+
 def test_escaped_key_paths_parse_back_to_the_same_leaf(hostile_file):
     path, tensors = hostile_file
     document = run_cli("show", path, "--json").json
