@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Container, Iterator
 
-from treecli import _keypath
+from treecli import _keypath, _leaf
 from treecli._errors import KeyPathError
 from treecli._keypath import KeyPath, format_keypath
 
@@ -65,6 +65,11 @@ def leaves(tree: Any) -> Iterator[Any]:
             stack.extend(node.values() if isinstance(node, dict) else node)
         else:
             yield node
+
+
+def array_bytes(tree: Any) -> int:
+    """The bytes of every array leaf, as stored (what an output holds, or a progress bar counts)."""
+    return sum(_leaf.as_leaf(x).nbytes for x in leaves(tree) if _leaf.is_array(x))
 
 
 def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:

@@ -82,7 +82,7 @@ class Verifier:
     def __call__(self, written_path: Path) -> None:
         from treecli.formats import open_checkpoint
 
-        total = 2 * sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(self._tree) if _leaf.is_array(x))
+        total = 2 * _tree.array_bytes(self._tree)
         with open_checkpoint(written_path, self._fmt.name) as written, \
                 (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
             expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._leaf_order)

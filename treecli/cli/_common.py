@@ -57,13 +57,13 @@ def write_output(
     ``in_place`` rewrites ``source`` where it lies (``target`` is then None).
     Returns the path or URL written.
     """
-    from treecli import _leaf, _tree
+    from treecli import _tree
     from treecli.formats import is_url, save_in_place
     from treecli.formats.safetensors import parse_size
 
     if target is not None and not is_url(target):
         target = Path(target)
-    total = sum(_leaf.as_leaf(leaf).nbytes for _, leaf in _tree.flatten(tree) if _leaf.is_array(leaf))
+    total = _tree.array_bytes(tree)
     name = Path(source.file).name if in_place else str(target).rstrip("/").rsplit("/", 1)[-1]
     with out.progress(f"writing {name}", total) as advance:
         options = WriteOptions(

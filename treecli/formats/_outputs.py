@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _atomic, _leaf, _tree
+from treecli import _atomic, _tree
 from treecli._bytes import stream
 from treecli._bytes.local import special_kind
 from treecli._errors import TreecliError, UsageError, in_cli, option
@@ -177,7 +177,7 @@ def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
     except OSError:  # (no such call here, or the directory is gone: the write will say)
         return
     free = info.f_bavail * info.f_frsize
-    needed = sum(_leaf.as_leaf(x).nbytes for x in _tree.leaves(tree) if _leaf.is_array(x))
+    needed = _tree.array_bytes(tree)
     if needed > free:
         from treecli._render import human_bytes
 

@@ -423,7 +423,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     import numpy as np
 
     tree = _storable(tree, str(target), options)
-    needed = sum(_leaf.as_leaf(x).nbytes for _, x in _tree.flatten(tree) if _leaf.is_array(x))
+    needed = _tree.array_bytes(tree)
     available = _memory.available()
     # Measured: writing 0.5 GiB peaked at 1.7 GB (our arrays, Orbax's and tensorstore's buffers, jax).
     if available is not None and needed * _MEMORY_FACTOR > available:
