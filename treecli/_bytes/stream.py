@@ -97,11 +97,7 @@ def iter_chunks(leaf: ArrayLeaf, chunk_bytes: int = CHUNK_BYTES, *,
         return
     buffers: list[Any] = []
     if leaf.fills_buffers and chunk_bytes <= CHUNK_BYTES:
-        import numpy as np
-
-        for _ in range(2):
-            buffers.append(_spare_buffers.pop() if _spare_buffers else np.empty(CHUNK_BYTES, np.uint8))
-        views = [b[: (ranges[0][1] - ranges[0][0]) * leaf.itemsize].view(leaf.dtype) for b in buffers]
+        buffers, views = _chunk_buffers(leaf, ranges[0])
         turns = itertools.count()  # reads run one at a time, in order, on the prefetch thread
 
         def read(start: int, stop: int):
@@ -133,6 +129,17 @@ def iter_chunks(leaf: ArrayLeaf, chunk_bytes: int = CHUNK_BYTES, *,
             _spare_buffers.extend(buffers)
 
 
+def _chunk_buffers(leaf: ArrayLeaf, first_range: tuple[int, int]) -> tuple[list, list]:
+    """Two CHUNK_BYTES byte buffers, reused from earlier leaves where there are spares (give
+    them back to ``_spare_buffers``), and views of them as ``leaf``'s chunks, as long as
+    its first (and longest) range."""
+    import numpy as np
+
+    buffers = [_spare_buffers.pop() if _spare_buffers else np.empty(CHUNK_BYTES, np.uint8) for _ in range(2)]
+    length = (first_range[1] - first_range[0]) * leaf.itemsize
+    return buffers, [buffer[:length].view(leaf.dtype) for buffer in buffers]
+
+
 def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
     """Two leaves of one shape and dtype, chunk by chunk side by side: ``a``'s chunk read
     on the prefetch thread while this thread reads ``b``'s, into two reused buffers.
@@ -150,10 +157,7 @@ def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
             _on_pool_thread("prefetch"):
         yield from zip((a.read_flat(*r) for r in ranges), (b.read_flat(*r) for r in b.chunk_ranges()))
         return
-    import numpy as np
-
-    buffers = [_spare_buffers.pop() if _spare_buffers else np.empty(CHUNK_BYTES, np.uint8) for _ in range(2)]
-    first, second = (buffer[: (ranges[0][1] - ranges[0][0]) * a.itemsize].view(a.dtype) for buffer in buffers)
+    buffers, (first, second) = _chunk_buffers(a, ranges[0])
     pool = _pool("prefetch")
     future: Future | None = None
     try:
