@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import treecli
 from treecli import _merge
 from treecli._average import SUB_CHUNK
@@ -83,6 +85,30 @@ def test_task_methods_match_the_reference(dtype, method, options, expected):
         np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-14, atol=1e-15)
     else:
         assert bits(merged["w"]) == bits(want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([np.float32, BF16]), count=st.integers(1, 4),
+       size=st.integers(10, 300), method=st.sampled_from(["ties", "dare_ties"]),
+       density=st.sampled_from([0.1, 0.5, 0.9, 1.0]), normalize=st.booleans())
+def test_consensus_methods_match_the_reference_with_zeros_ties_and_any_weights(data, dtype, count, size, method,
+                                                                               density, normalize):
+    """Deltas drawn from a few values, zero among them (a model equal to the base there), so
+    that magnitudes tie, whole columns cancel and kept zeros are common; weights equal (the
+    divisor counts agreeing models), negative, or all different."""
+    values = st.sampled_from([0.0, 0.0, 0.25, -0.25, 0.5, -0.5, 1.5, -3.0])
+    base = np.asarray(data.draw(st.lists(values, min_size=size, max_size=size)), np.float64).astype(dtype)
+    deltas = [data.draw(st.lists(values, min_size=size, max_size=size)) for _ in range(count)]
+    ms = [(base.astype(np.float64) + np.asarray(d)).astype(dtype) for d in deltas]
+    weights = data.draw(st.sampled_from([[1.0] * count, [-0.5] * count, [0.5 + i for i in range(count)]]))
+    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, weights=weights, density=density,
+                              normalize=normalize, seed=3)
+    if method == "ties":
+        want = reference(base, ms, weights, trim=density, consensus=True, normalize=normalize)
+    else:
+        keeps = [_merge.dare_keep(3, "w", i, 0, size, density) for i in range(count)]
+        want = reference(base, ms, weights, keeps=keeps, rescale_by=density, consensus=True, normalize=normalize)
+    assert bits(merged["w"]) == bits(want)
 
 
 def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
