@@ -63,10 +63,13 @@ def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | 
 
 class Verifier:
     """A check of a finished temporary against ``tree``, raising on any difference; called
-    with the temporary. Leaves are compared with the source, except those costly to read
-    again (an Orbax array, decompressed whole): the writer records the digest of what it
-    wrote for them in ``digests`` (by the leaf's ``id``), and the output's bytes are checked
-    against that, so the source is read once.
+    with the temporary. The output is opened by its own reader, and its names, shapes and
+    dtypes compared with the tree's. Its bytes: the writer records the digest of what it was
+    given for each leaf in ``digests`` (by the leaf's ``id``) and reads the output back as it
+    writes it, into ``readback`` (:class:`stream.ReadBack`); each leaf of the output, where its
+    reader finds it, must hold bytes of that digest. A leaf not recorded so (an Orbax
+    output's, or where the reader finds another place than the writer's) is read again:
+    from the output, and from the source unless its digest was recorded.
 
     ``progress(description, total_bytes)``, when given, is a context giving an
     ``advance(nbytes)`` callable (a progress bar: the check reads everything twice).
@@ -77,11 +80,15 @@ class Verifier:
                  leaf_order: list | None = None):
         self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
         self._progress, self._leaf_order = progress, leaf_order
-        self.digests: dict[int, tuple[Any, tuple[int, int]]] = {}  # id(leaf): (leaf, digest)
+        self.digests: dict[int, tuple[Any, tuple[int, int, int]]] = {}  # id(leaf): (leaf, digest)
+        from treecli._bytes import stream
+
+        self.readback = stream.ReadBack()
 
     def __call__(self, written_path: Path) -> None:
         from treecli.formats import open_checkpoint
 
+        self.readback.finish()
         total = 2 * _tree.array_bytes(self._tree)
         with open_checkpoint(written_path, self._fmt.name) as written, \
                 (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
@@ -118,15 +125,26 @@ class Verifier:
 
         def check(item: tuple) -> None:
             name, output, recorded, described = item
-            if stream.digest_of(output) != recorded:
+            if self._read_back(output, recorded) != recorded:
                 problems.append(f"{name}: {described}: the bytes written differ from the bytes read back")
             if advance:
                 advance(2 * output.nbytes)
 
-        # Two leaves at a time: the CRC is most of the cost, and lets go of the GIL.
+        # Two leaves at a time: where leaves are read again, the CRC is most of the cost, and lets go of the GIL.
         stream.each_on_two_threads(check, to_read)
         return sorted(problems)
 
-    def _digest(self, source: Any) -> tuple[int, int] | None:
+    def _read_back(self, output: Any, recorded: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The digest of ``output``'s bytes (a leaf of the written file, where its reader finds
+        it): as read back while it was written, where the writer put a leaf of its size just
+        there; else read now."""
+        from treecli._bytes import stream
+
+        identity = getattr(getattr(output, "reader", None), "identity", None)
+        digest = (self.readback.leaves.get((*identity[:2], output.offset, output.nbytes)) if identity is not None
+                  else None)
+        return digest.value() if digest is not None else stream.digest_of(output, recorded[2])
+
+    def _digest(self, source: Any) -> tuple[int, int, int] | None:
         entry = self.digests.get(id(source))
         return entry[1] if entry is not None and entry[0] is source else None

@@ -82,11 +82,11 @@ class WriteOptions:
     leaf_order: list[tuple] | None = None
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
-    #: Where writers record the digest of each leaf that is costly to read again (see
-    #: ``stream.write_leaf``), for that verification; None: not recorded.
-    digests: dict[int, tuple[Any, tuple[int, int]]] | None = None
-    #: The output is read back as soon as it is written (verification): writers start its
-    #: write-back but keep its pages cached for that (``stream.Writeback``); the caller drops them.
-    reread: bool = False
+    #: Where writers record the digests of the leaves they write, for a verification (see
+    #: ``stream.write_leaf``); None: not recorded.
+    digests: dict[int, tuple[Any, tuple[int, int, int]]] | None = None
+    #: A ``stream.ReadBack`` for a verified output: each file's writer reads it back as it
+    #: writes it (through its ``stream.Writeback``); None: not read back.
+    readback: Any = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None

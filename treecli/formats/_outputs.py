@@ -110,7 +110,17 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     existing = check_target(target, sources, force=force)
     check_room(fmt, tree, target.parent, target)
     if verify:
-        options = dataclasses.replace(options, digests=getattr(verify, "digests", None), reread=True)
+        options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
+                                      readback=getattr(verify, "readback", None))
+    try:
+        _write_new(fmt, tree, target, is_dir, existing, options, sources, verify)
+    finally:
+        if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
+            options.readback.close()
+
+
+def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.stat_result | None,
+               options: WriteOptions, sources: Sequence[Path], verify: Callable[[Path], None] | None) -> None:
     if is_dir:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)

@@ -59,7 +59,7 @@ class StoredZip:
         start = self._f.tell()
         yield checksum
         end = self._f.tell()
-        summed, crc = checksum.value()
+        summed, crc = checksum.length, checksum.crc
         if end - start != size or summed != size:
             raise TreecliError(f"internal error: zip member {name!r} took {end - start} bytes and its checksum "
                                f"{summed}, expected {size}")
