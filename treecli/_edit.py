@@ -239,6 +239,7 @@ def cast_leaf(source, dtype_name, keypath, report):
     import numpy as np
 
     from treecli._average import SUB_CHUNK, scratch_buffers
+    from treecli._bytes import stream
 
     check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
     overflowed = [0]
@@ -246,7 +247,7 @@ def cast_leaf(source, dtype_name, keypath, report):
     # elements per scratch buffer, for the source and for the output's bits
     step = max(1, SUB_CHUNK * 8 // max(source.itemsize, _dtypes.itemsize(dtype_name)))
 
-    def fill(start: int, stop: int, out) -> None:
+    def fill_part(start: int, stop: int, out) -> None:
         # The source is read a scratch buffer at a time and cast straight into the output;
         # overflow is looked for in the output (Inf or NaN) and only then counted against
         # the source (finite there): no float64 copies.
@@ -263,6 +264,10 @@ def cast_leaf(source, dtype_name, keypath, report):
                         infinite &= np.isfinite(chunk)
                         with lock:
                             overflowed[0] += int(np.count_nonzero(infinite))
+
+    def fill(start: int, stop: int, out) -> None:
+        # On two threads: the writer, on a third, mostly waits for the cast.
+        stream.on_two_threads(fill_part, start, stop, out, step)
         if check and stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
             report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
                                    "and became inf")
