@@ -81,3 +81,24 @@ def test_the_process_ends_at_once_with_its_output_complete_and_its_exit_code(tmp
     missing = subprocess.run([sys.executable, "-m", "treecli", "show", str(tmp_path / "none.safetensors")],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and missing.stderr.startswith("treecli: error:")
+
+
+def test_diff_of_equal_safetensors_files_compares_bytes_without_numpy(tmp_path):
+    """Equal files (the common question: did this conversion change anything?) are compared
+    byte for byte without importing NumPy (60 ms of a 0.26 s diff of 1 GiB); a difference
+    brings it in, for the max abs / rel difference."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    a = {"w": np.arange(3 * 1024 * 1024 + 3, dtype=np.float32), "b": np.ones(5, np.float16)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(a, str(tmp_path / "same.safetensors"))
+    a["w"][-1] += 1
+    save_file(a, str(tmp_path / "other.safetensors"))
+    for other, code, numpy_loaded in (("same", 0, False), ("other", 1, True)):
+        script = (f"from treecli.cli import main\n"
+                  f"assert main(['diff', {str(tmp_path / 'a.safetensors')!r}, {str(tmp_path / other)!r} + "
+                  f"'.safetensors']) == {code}")
+        modules = _modules_after(script)
+        assert "treecli._diff" in modules
+        assert ("numpy" in modules) == numpy_loaded, other

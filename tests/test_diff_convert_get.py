@@ -58,36 +58,55 @@ def test_diff_finds_one_changed_byte_anywhere_in_files_of_many_chunks(tmp_path, 
     assert diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "a.safetensors")).equal
 
 
+def test_diff_measures_every_chunk_that_differs_after_the_first(tmp_path):
+    """Chunks are compared as bytes until one differs; from there on each is measured, so
+    the largest difference, in a later chunk, is the one reported."""
+    size = 4 * 1024 * 1024 + 7  # float32: four chunks and a bit
+    a = np.zeros(size, np.float32)
+    b = a.copy()
+    b[[1024 * 1024 + 5, 3 * 1024 * 1024 + 9, size - 1]] = [0.5, 4.0, -2.0]
+    save_file({"w": a}, str(tmp_path / "a.safetensors"))
+    save_file({"w": b}, str(tmp_path / "b.safetensors"))
+    result = diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors"))
+    assert [(c.keypath, c.max_abs_diff) for c in result.changed] == [("w", 4.0)]
+
+
 def test_diff_reads_both_files_at_once_and_a_failed_read_leaves_no_buffer_in_use(tmp_path, monkeypatch):
     """The two files' chunks are read side by side on two threads; when one read fails
     midway the error surfaces and the next diff, reusing the buffers, is still right."""
     from treecli._bytes import stream
-    from treecli.formats._filedata import FileArrayLeaf
+    from treecli._bytes.local import FileReader
 
     size = 3 * 1024 * 1024 + 5  # float32: three chunks and a bit
     save_file({"w": np.arange(size, dtype=np.float32)}, str(tmp_path / "a.safetensors"))
     changed = np.arange(size, dtype=np.float32)
     changed[-1] += 1
     save_file({"w": changed}, str(tmp_path / "b.safetensors"))
-    threads, calls = set(), []
-    original = FileArrayLeaf.read_into
+    threads, calls, fail_at = set(), [], [4]
+    original = FileReader.read_view
 
-    def failing(self, start, stop, out):
+    def failing(self, view, offset):
         threads.add(threading.current_thread().name)
-        calls.append(start)
-        if len(calls) == 4:
+        calls.append(offset)
+        if len(calls) in fail_at:
             raise OSError("disk went away")
-        original(self, start, stop, out)
+        original(self, view, offset)
 
-    monkeypatch.setattr(FileArrayLeaf, "read_into", failing)
+    monkeypatch.setattr(FileReader, "read_view", failing)
     a, b = treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors")
-    with pytest.raises(OSError, match="disk went away"):
-        diff(a, b)
-    assert len(threads) == 2
-    spare = len(stream._spare_buffers)
+    fail_at[0] = 0
+    diff(a, b)
+    spare = (len(stream._spare_raw), len(stream._spare_buffers))
+    # midway through the byte comparison (8 reads), then in measuring the last chunk, which differs
+    for fail_at[0] in (4, 10):
+        calls.clear()
+        with pytest.raises(OSError, match="disk went away"):
+            diff(a, b)
+        assert len(threads) == 2
+        assert (len(stream._spare_raw), len(stream._spare_buffers)) == spare
+    fail_at[0] = 0
     result = diff(a, b)
     assert [c.keypath for c in result.changed] == ["w"] and result.changed[0].max_abs_diff == 1.0
-    assert len(stream._spare_buffers) == spare
 
 
 def test_a_diff_run_on_the_prefetch_thread_itself_finishes(tmp_path):

@@ -94,18 +94,24 @@ def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
 
 
 def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
-    import numpy as np
-
     from treecli._bytes import stream
 
-    numeric = x.dtype.kind in "biuc" or _dtypes.is_float(x.dtype_name)
     exact = rtol is None and atol is None
+    start = 0
+    if exact and _in_local_files(x) and _in_local_files(y):
+        start = stream.first_difference(x, y, progress)  # (NumPy is only needed from there on)
+        if start is None:
+            return None
+
+    import numpy as np
+
+    numeric = x.dtype.kind in "biuc" or _dtypes.is_float(x.dtype_name)
     wide = np.complex128 if x.dtype.kind == "c" else np.float64  # x and y share a dtype here
     differs = False
     max_abs = max_rel = 0.0
     # Chunks come in reused buffers, read ahead on another thread; equal bytes are found
     # at memory speed, and only chunks whose bytes differ are widened to float64.
-    for cx, cy in stream.paired_chunks(x, y):
+    for cx, cy in stream.paired_chunks(x, y, start):
         if progress:
             progress(cx.nbytes + cy.nbytes)
         if exact:
@@ -131,6 +137,14 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
         return None
     description = _tree.describe_leaf(x)
     return Change(text, description, description, max_abs if numeric else None, max_rel if numeric else None)
+
+
+def _in_local_files(leaf: Any) -> bool:
+    """Whether a leaf's bytes lie as stored in a local file (``stream.first_difference`` reads them)."""
+    from treecli._bytes.local import FileReader
+    from treecli.formats._filedata import FileArrayLeaf
+
+    return type(leaf) is FileArrayLeaf and isinstance(leaf.reader, FileReader)
 
 
 def same_bytes(a, b) -> bool:

@@ -86,7 +86,11 @@ class FileReader:
 
     def read_into(self, buffer, offset: int) -> None:
         """Fill a C-contiguous NumPy array with the bytes at ``offset``."""
-        view = memoryview(buffer.reshape(-1).view("uint8"))
+        self.read_view(memoryview(buffer.reshape(-1).view("uint8")), offset)
+
+    def read_view(self, view: memoryview, offset: int) -> None:
+        """Fill a writable byte buffer (``bytearray``, or a memoryview of one) with the bytes at ``offset``."""
+        view = memoryview(view)  # (slices of it are views, not copies)
         with _POOL.descriptor(self) as fd:
             done = 0
             while done < len(view):

@@ -141,22 +141,23 @@ def _chunk_buffers(leaf: ArrayLeaf, first_range: tuple[int, int]) -> tuple[list,
     return buffers, [buffer[:length].view(leaf.dtype) for buffer in buffers]
 
 
-def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
-    """Two leaves of one shape and dtype, chunk by chunk side by side: ``a``'s chunk read
-    on the prefetch thread while this thread reads ``b``'s, into two reused buffers.
+def paired_chunks(a: ArrayLeaf, b: ArrayLeaf, start: int = 0) -> Iterator[tuple[Any, Any]]:
+    """Two leaves of one shape and dtype, chunk by chunk side by side from the chunk that
+    begins at element ``start``: ``a``'s chunk read on the prefetch thread while this thread
+    reads ``b``'s, into two reused buffers.
 
     No read-ahead: comparing equal bytes takes far less than reading them, and the two
     reads at once beat a lookahead that ran them in turn on one thread (1 GiB compared
     in 0.16-0.18 s against 0.18-0.26 s; remote chunks wait one round trip a step, not two).
     """
-    ranges = list(a.chunk_ranges())
+    ranges = [r for r in a.chunk_ranges() if r[0] >= start]
     # Read in turn on this thread: leaves that fill no buffers or differ in layout, a small
     # one, and any call made on the prefetch thread itself (a computed leaf's fill), which
     # would wait forever for a read queued behind it.
     if not ranges or not (a.fills_buffers and b.fills_buffers) or a.dtype != b.dtype or \
-            ranges != list(b.chunk_ranges()) or (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or \
+            list(a.chunk_ranges()) != list(b.chunk_ranges()) or (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or \
             _on_pool_thread("prefetch"):
-        yield from zip((a.read_flat(*r) for r in ranges), (b.read_flat(*r) for r in b.chunk_ranges()))
+        yield from zip((a.read_flat(*r) for r in ranges), (b.read_flat(*r) for r in ranges))
         return
     buffers, (first, second) = _chunk_buffers(a, ranges[0])
     pool = _pool("prefetch")
@@ -172,6 +173,43 @@ def paired_chunks(a: ArrayLeaf, b: ArrayLeaf) -> Iterator[tuple[Any, Any]]:
         if future is not None:
             wait([future])  # never recycle a buffer the prefetch thread may still fill
         _spare_buffers.extend(buffers)
+
+
+_spare_raw: list[bytearray] = []  # CHUNK_BYTES byte buffers for first_difference, reused from leaf to leaf
+
+
+def first_difference(a: Any, b: Any, progress: Callable[[int], None] | None = None) -> int | None:
+    """Where the bytes of two leaves of one size stored in local files (``FileArrayLeaf``
+    leaves of ``FileReader`` sources) first differ: the first element of the first chunk (of
+    ``chunk_ranges``) that differs, or None when all are equal. Read side by side as
+    ``paired_chunks`` reads, but into plain byte buffers compared by ``memcmp``: no NumPy,
+    whose import was a fifth of comparing two equal 1 GiB files."""
+    ranges = list(a.chunk_ranges())
+    alone = (len(ranges) == 1 and a.nbytes <= INLINE_BYTES) or _on_pool_thread("prefetch")
+    buffers = [_spare_raw.pop() if _spare_raw else bytearray(CHUNK_BYTES) for _ in range(2)]
+    future: Future | None = None
+    try:
+        x, y = buffers
+        for start, stop in ranges:
+            begin, length = start * a.itemsize, (stop - start) * a.itemsize
+            part_x, part_y = memoryview(x)[:length], memoryview(y)[:length]
+            if alone:
+                a.reader.read_view(part_x, a.offset + begin)
+            else:
+                future = _pool("prefetch").submit(a.reader.read_view, part_x, a.offset + begin)
+            b.reader.read_view(part_y, b.offset + begin)
+            if future is not None:
+                future.result()
+            if progress:
+                progress(2 * length)
+            # bytearrays compare with memcmp (memoryviews item by item): slices only for a short chunk
+            if not (x == y if length == CHUNK_BYTES else x[:length] == y[:length]):
+                return start
+        return None
+    finally:
+        if future is not None:
+            wait([future])  # never recycle a buffer the prefetch thread may still fill
+        _spare_raw.extend(buffers)
 
 
 FETCHERS = 4  # remote ranges in flight at once for one chunk
