@@ -67,8 +67,11 @@ def test_diff_measures_every_chunk_that_differs_after_the_first(tmp_path):
     b[[1024 * 1024 + 5, 3 * 1024 * 1024 + 9, size - 1]] = [0.5, 4.0, -2.0]
     save_file({"w": a}, str(tmp_path / "a.safetensors"))
     save_file({"w": b}, str(tmp_path / "b.safetensors"))
-    result = diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors"))
+    counted = []
+    result = diff(treecli.load(tmp_path / "a.safetensors"), treecli.load(tmp_path / "b.safetensors"),
+                  progress=counted.append)
     assert [(c.keypath, c.max_abs_diff) for c in result.changed] == [("w", 4.0)]
+    assert sum(counted) == 2 * a.nbytes  # each byte of both counted once on the progress bar
 
 
 def test_diff_reads_both_files_at_once_and_a_failed_read_leaves_no_buffer_in_use(tmp_path, monkeypatch):

@@ -200,11 +200,11 @@ def first_difference(a: Any, b: Any, progress: Callable[[int], None] | None = No
             b.reader.read_view(part_y, b.offset + begin)
             if future is not None:
                 future.result()
-            if progress:
-                progress(2 * length)
             # bytearrays compare with memcmp (memoryviews item by item): slices only for a short chunk
             if not (x == y if length == CHUNK_BYTES else x[:length] == y[:length]):
-                return start
+                return start  # (this chunk's progress is the caller's, who reads it again)
+            if progress:
+                progress(2 * length)
         return None
     finally:
         if future is not None:
