@@ -80,6 +80,27 @@ def test_json_of_a_file_whose_one_control_is_its_only_odd_character(tmp_path, na
         __import__("treecli").format_keypath((name,)), "plain"}
 
 
+@pytest.mark.parametrize("code", [*range(0x20), 0x7F, 0x9B, 0x202E])
+def test_show_of_a_file_whose_one_control_is_its_only_odd_character(tmp_path, capsys, code):
+    """All printable ASCII but one control character, of every kind: escaped in the lines
+    `show` prints to a pipe (an ASCII batch of lines is searched for each C0 control and DEL)."""
+    from treecli.cli._output import Output
+
+    lines = [f"row {i}" for i in range(100)] + [f"k{chr(code)}x"]
+    Output().lines(lines)
+    printed = capsys.readouterr().out
+    assert chr(code) not in printed.replace("\n", "") or code == 0x0A
+    assert printed.split("\n")[100] == (f"k\\x{code:02x}x" if code < 0x100 else f"k\\u{code:04x}x")
+    path = tmp_path / "m.safetensors"
+    save_file({f"k{chr(code)}x": np.ones(2, np.float32), "plain": np.zeros(1, np.float32)}, str(path))
+    for flags in ([], ["--flat"]):
+        result = run_cli("show", path, *flags)
+        assert result.code == 0, result.stderr
+        assert_terminal_safe(result)
+        assert chr(code) not in result.stdout.replace("\n", "") or code == 0x0A
+        assert any(line.startswith(('["k', "k")) and "[2]" in line for line in result.stdout.splitlines())
+
+
 def test_escaped_key_paths_parse_back_to_the_same_leaf(hostile_file):
     path, tensors = hostile_file
     document = run_cli("show", path, "--json").json

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
-from treecli._escape import json_text, visible
+from treecli._escape import all_printable, json_text, visible
 
 
 class OutputClosed(Exception):
@@ -169,7 +169,7 @@ def _visible_lines(lines: list[str | list[tuple[str, str]]]) -> str:
     a fifth of the time of showing a 200k-tensor tree)."""
     if not set(map(type, lines)) <= {str}:
         lines = [line if type(line) is str else "".join(t for t, _ in line).rstrip() for line in lines]
-    if "".join(lines).isprintable():
+    if all_printable("".join(lines)):
         return "\n".join(lines) + "\n"
     return "".join(visible(line) + "\n" for line in lines)
 
