@@ -27,7 +27,7 @@ from treecli.cli.merge import merge
 from treecli.cli.show import show
 from treecli.cli.slice import slice_
 
-app = typer.Typer(
+_SETTINGS = dict(
     name="treecli",
     help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, "
     "diff, convert, get.",
@@ -36,6 +36,7 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+app = typer.Typer(**_SETTINGS)
 
 
 def _print_version(value: bool) -> None:
@@ -71,6 +72,19 @@ app.command()(edit)
 app.command()(diff)
 app.command()(convert)
 app.command()(get)
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to run ``args`` with: where they name a command, one that holds only that
+    command (Typer lays out every command's options on each run: 14 ms of a 90 ms ``show``,
+    against 2 ms for one); else the whole app (help, completion, a mistyped command)."""
+    name = next((arg for arg in args if not arg.startswith("-")), None)  # (the root options take no values)
+    for info in app.registered_commands:
+        if name == (info.name or typer.main.get_command_name(info.callback.__name__)):
+            one = typer.Typer(**_SETTINGS)
+            one.registered_callback, one.registered_commands = app.registered_callback, [info]
+            return one
+    return app
 
 
 class _Terminated(BaseException):
@@ -146,7 +160,7 @@ def _run_app(args: list[str]) -> int:
 
     try:
         with cli_voice():  # errors name --flags, not the library's parameters
-            result = app(args=args, prog_name="treecli", standalone_mode=False)
+            result = _app_for(args)(args=args, prog_name="treecli", standalone_mode=False)
         if result == ExitStatus.INTERRUPTED:  # Typer turns Ctrl-C into a returned 130 (no command returns it)
             sys.stderr.write("treecli: interrupted\n")
         return result if isinstance(result, int) else ExitStatus.OK
