@@ -481,6 +481,21 @@ def test_six_hundred_shards_under_a_descriptor_limit(tmp_path):
     assert len(loaded) == 600 and loaded["l599"].tolist() == [599, 599]
 
 
+def test_a_verified_output_of_six_hundred_shards_under_a_descriptor_limit(tmp_path):
+    """Each shard is read back as it is written: a shard's descriptor for that goes when the
+    next shard starts, so six hundred shards hold a handful at once."""
+    src = tmp_path / "m.safetensors"
+    save_file({f"l{i}": np.full(2, i, np.float32) for i in range(600)}, str(src))
+    code = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+            "sys.argv = ['treecli', *sys.argv[1:]]; runpy.run_module('treecli', run_name='__main__')")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-c", code, "convert", str(src), str(out), "--max-shard-size", "8", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(out.glob("*.safetensors"))) == 600
+    assert treecli.load(out)["l599"].read().tolist() == [599, 599]
+
+
 # --- Orbax outputs from any tree ---------------------------------------------------------------
 
 

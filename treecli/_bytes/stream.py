@@ -344,7 +344,10 @@ class ReadBack:
         self._files: list[FileReadBack] = []
 
     def file(self, f: BinaryIO) -> "FileReadBack":
-        """The read-back of one output file, open for writing as ``f``."""
+        """The read-back of one output file, open for writing as ``f``. Writers write their
+        files one after another: the files before it are finished (a sharded output of
+        hundreds of files holds one descriptor for this at a time)."""
+        self.finish()
         readback = FileReadBack(f, self.leaves)
         self._files.append(readback)
         return readback
