@@ -371,6 +371,26 @@ def test_verification_catches_bytes_changed_in_a_window_before_it_is_read_back(c
     assert temporaries(tmp_path) == []
 
 
+def test_verification_names_a_leaf_the_writer_left_out_and_one_it_made_up(cli, tmp_path, monkeypatch):
+    from treecli.formats import safetensors as st
+
+    src = tmp_path / "m.safetensors"
+    save_file(weights(), str(src))
+    out = tmp_path / "out.safetensors"
+    original = st._entries_for_writing
+
+    def renamed(tree, file, options):
+        entries = original(tree, file, options)
+        return [("pooler.bias" if key == "pooler.b" else key, leaf) for key, leaf in entries]
+
+    monkeypatch.setattr(st, "_entries_for_writing", renamed)
+    result = cli("convert", src, out, "-q")
+    assert_clean_error(result, "verification failed")
+    assert 'only in the output: ["pooler.bias"]' in result.stderr
+    assert 'missing from the output: ["pooler.b"]' in result.stderr
+    assert not out.exists()
+
+
 def test_verification_reads_each_leaf_where_the_output_says_it_is(cli, tmp_path, monkeypatch):
     """A header that places two leaves of one size at each other's bytes: the check follows
     the output's own header, not the writer's plan, and finds both wrong."""

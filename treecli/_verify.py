@@ -14,7 +14,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-from treecli import _diff, _leaf, _tree
+from treecli import _diff, _keypath, _leaf, _tree
 from treecli._errors import TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats._base import WriteOptions
@@ -61,6 +61,15 @@ def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | 
             {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
 
 
+def _in_order(names: set[str]) -> list[str]:
+    return sorted(names, key=_keypath.natural_sort_key)
+
+
+def _shown(name: str) -> str:
+    """A stored name as ``diff`` shows a key of its own."""
+    return format_keypath((name,))
+
+
 class Verifier:
     """A check of a finished temporary against ``tree``, raising on any difference; called
     with the temporary. The output is opened by its own reader, and its names, shapes and
@@ -94,15 +103,18 @@ class Verifier:
                 (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
             expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._leaf_order)
             problems = self._check_digests(expected, written_names, advance)
-            # the leaves checked by digest stand in as equal markers: names still compare as they are
-            checked = {k for k, v in expected.items() if self._digest(v) is not None and k in written_names}
-            result = _diff.diff({k: 0 if k in checked else v for k, v in expected.items()},
-                                {k: 0 if k in checked else v for k, v in written_names.items()}, progress=advance)
+            # Names on one side only are found by set, and diff compares the leaves on both sides that
+            # no digest checked (with an equal marker for each of 200k checked leaves, it took 3.5 s).
+            unchecked = [k for k, v in expected.items() if k in written_names and self._digest(v) is None]
+            changed = _diff.diff({k: expected[k] for k in unchecked}, {k: written_names[k] for k in unchecked},
+                                 progress=advance).changed if unchecked else []
         if self._fmt.name == "safetensors":
             problems += _reference_check(written_path, written_names)
-        problems += [f"only in the output: {k}" for k in result.only_in_b]
-        problems += [f"missing from the output: {k}" for k in result.only_in_a if not self._dropped_allowed]
-        problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in result.changed]
+        problems += [f"only in the output: {_shown(k)}" for k in _in_order(written_names.keys() - expected.keys())]
+        if not self._dropped_allowed:
+            problems += [f"missing from the output: {_shown(k)}"
+                         for k in _in_order(expected.keys() - written_names.keys())]
+        problems += [f"{c.keypath}: {c.a} -> {c.b}" for c in changed]
         if problems:
             raise TreecliError(f"verification failed: the output differs from the input in {len(problems)} "
                                "leaves; nothing was replaced", file=str(written_path), details=problems)
