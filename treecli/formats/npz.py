@@ -323,7 +323,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         except ValueError as e:
             raise TreecliError(f"npz cannot hold this key: {e}", file=str(target), keypath=key[:60] + "...") from None
     real_dtypes = {}
-    with open(target, "wb") as f:
+    with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
         archive = _zip.StoredZip(f, _FIXED_TIME)
         writeback = stream.Writeback(f, options.readback and options.readback.file(f))
         for key, leaf in entries:
