@@ -465,6 +465,25 @@ def test_eio_while_reading_an_input_names_the_input_and_the_read(tmp_path, monke
     assert not out.exists()
 
 
+def test_eio_while_reading_a_verified_output_back_names_the_output(tmp_path, monkeypatch):
+    import errno
+
+    src = tmp_path / "in.safetensors"
+    save_file({"w": np.ones(1 << 16, np.float32)}, str(src))
+    real = os.preadv
+
+    def failing(fd, buffers, offset, *rest):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".treecli-tmp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    out = tmp_path / "out.npz"
+    result = run_cli("convert", src, out)
+    assert_clean_error(result, str(out), "cannot read the output back", "Input/output error")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]
+
+
 def _into_a_closed_pipe(*args, env=None):
     import subprocess
     import sys

@@ -428,7 +428,11 @@ class FileReadBack:
         if self._buffer is None:
             self._buffer = np.empty(CHUNK_BYTES, np.uint8)
         while self._read < end:
-            n = os.preadv(self.fd, [self._buffer[: min(CHUNK_BYTES, end - self._read)]], self._read)
+            try:
+                n = os.preadv(self.fd, [self._buffer[: min(CHUNK_BYTES, end - self._read)]], self._read)
+            except OSError as e:  # EIO from a failing disk: the output's, named as such
+                raise TreecliError(f"cannot read the output back at byte {self._read}: {e.strerror or e}",
+                                   file=str(self._f.name)) from e
             if n == 0:
                 raise TreecliError(f"the output ended at byte {self._read} while it was read back",
                                    file=str(self._f.name))
