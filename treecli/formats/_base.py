@@ -90,3 +90,10 @@ class WriteOptions:
     readback: Any = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
+
+    def writeback(self, f: Any) -> Any:
+        """The ``stream.Writeback`` of an output file open for writing as ``f``, reading it
+        back as it is written when the output is verified."""
+        from treecli._bytes import stream
+
+        return stream.Writeback(f, self.readback.file(f) if self.readback is not None else None)

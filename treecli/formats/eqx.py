@@ -121,7 +121,7 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
 
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
-        writeback = stream.Writeback(f, options.readback and options.readback.file(f))
+        writeback = options.writeback(f)
         for key, leaf in records(tree, options, str(target)):
             # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.
             _npy.write(f, leaf, _npy.header(leaf), file=str(target), keypath=key, writeback=writeback,

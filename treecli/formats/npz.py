@@ -325,7 +325,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     real_dtypes = {}
     with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
         archive = _zip.StoredZip(f, _FIXED_TIME)
-        writeback = stream.Writeback(f, options.readback and options.readback.file(f))
+        writeback = options.writeback(f)
         for key, leaf in entries:
             dtype = leaf.dtype
             if dtype.kind == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):

@@ -697,7 +697,7 @@ def _describe(value: Any) -> str:
 def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
     head = _encode_header(entries, metadata)
     with open(path, "wb", buffering=stream.WRITE_BUFFER) as f:
-        _write_stream(f, head, entries, str(path), options, stream.Writeback(f, options.readback and options.readback.file(f)))
+        _write_stream(f, head, entries, str(path), options, options.writeback(f))
         f.flush()
         os.fsync(f.fileno())
 
