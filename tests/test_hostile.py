@@ -445,43 +445,35 @@ def test_set_from_an_npz_is_a_clean_error(tmp_path):
 # --- I/O faults named right ------------------------------------------------------------------------
 
 
-def test_eio_while_reading_an_input_names_the_input_and_the_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["input", "output"])
+def test_eio_while_reading_names_the_file_and_the_read(tmp_path, monkeypatch, failing):
+    """A failing read of the input, or of a verified output read back as it is written:
+    one line naming that file and the read, nothing written."""
     import errno
 
     src = tmp_path / "in.safetensors"
     save_file({"w": np.ones(1 << 16, np.float32)}, str(src))
+    out = tmp_path / "out.npz"
     real = os.preadv
 
-    def failing(fd, buffers, offset, *rest):
-        if os.path.samestat(os.fstat(fd), os.stat(src)):
+    def is_failing(fd):
+        if failing == "input":
+            return os.path.samestat(os.fstat(fd), os.stat(src))
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".treecli-tmp")
+
+    def failing_preadv(fd, buffers, offset, *rest):
+        if is_failing(fd):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buffers, offset, *rest)
 
-    monkeypatch.setattr(os, "preadv", failing)
-    out = tmp_path / "out.npz"
+    monkeypatch.setattr(os, "preadv", failing_preadv)
     result = run_cli("convert", src, out)
-    assert_clean_error(result, str(src), "cannot read", "Input/output error")
-    assert str(out) not in result.stderr.splitlines()[0]
-    assert not out.exists()
-
-
-def test_eio_while_reading_a_verified_output_back_names_the_output(tmp_path, monkeypatch):
-    import errno
-
-    src = tmp_path / "in.safetensors"
-    save_file({"w": np.ones(1 << 16, np.float32)}, str(src))
-    real = os.preadv
-
-    def failing(fd, buffers, offset, *rest):
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".treecli-tmp"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset, *rest)
-
-    monkeypatch.setattr(os, "preadv", failing)
-    out = tmp_path / "out.npz"
-    result = run_cli("convert", src, out)
-    assert_clean_error(result, str(out), "cannot read the output back", "Input/output error")
-    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]
+    if failing == "input":
+        assert_clean_error(result, str(src), "cannot read", "Input/output error")
+        assert str(out) not in result.stderr.splitlines()[0]
+    else:
+        assert_clean_error(result, str(out), "cannot read the output back", "Input/output error")
+    assert [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]
 
 
 def _into_a_closed_pipe(*args, env=None):
