@@ -13,6 +13,10 @@ DeepSeek-V3-shaped repository (163 shards, 93,757 tensors, an 8 MB index; issue 
 each under 1 s), against the floor of any Python tool: `json.loads` of the headers
 (and index) and one f-string print per tensor (Rich's table would take minutes on
 200k rows); the 200k header also on a terminal (`script`), where identical layers fold.
+With --ckptkit, `ckptkit info` of the same 200k header (issue 19: treecli must be faster),
+from a venv of its own:
+    python -m venv /tmp/ck && /tmp/ck/bin/pip install 'ckptkit[cli]'
+    python bench/show.py --ckptkit /tmp/ck/bin/ckptkit
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def timed(cmd: list[str], runs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--ckptkit", default=shutil.which("ckptkit"), help="ckptkit to run on the 200k header")
     args = parser.parse_args()
     # As an installed package would be (and whatever PYTHONDONTWRITEBYTECODE says).
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).parents[1] / "treecli")], check=True)
@@ -134,6 +139,13 @@ def main() -> None:
             command = " ".join([sys.executable, "-m", "treecli", "show", str(moe)])
             on_terminal = timed(["script", "-q", "-c", command, "/dev/null"], runs)
             print(f"the one file on a terminal (script): treecli show {on_terminal:.2f} s")
+        if args.ckptkit:  # in turns with treecli's, so that drift falls on both
+            pairs = [(timed(treecli + [str(moe)], 1), timed([args.ckptkit, "info", str(moe)], 1)) for _ in range(runs)]
+            ours, theirs = (statistics.median(p[j] for p in pairs) for j in (0, 1))
+            print(f"the one file, in turns with `ckptkit info`: treecli show {ours:.2f} s, ckptkit {theirs:.2f} s "
+                  f"({theirs / ours:.2f}x treecli's time)")
+        else:
+            print("ckptkit: not found; give --ckptkit PATH/ckptkit to include it (see --help)")
 
 
 if __name__ == "__main__":
