@@ -712,3 +712,27 @@ def test_an_output_that_would_not_fit_on_its_disk_is_refused_before_writing(cli,
     assert_clean_error(result, "16.1 KiB", "free")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"] and [p.name for p in src.parent.iterdir()] == ["m.safetensors"]
     assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize("declared, shown", [(b'"dtype":"F32","shape":[25,40]', "[25, 40] float32"),
+                                             (b'"dtype":"I32","shape":[40,25]', "[40, 25] int32")])
+def test_verification_names_a_leaf_whose_shape_or_dtype_the_output_declares_otherwise(cli, tmp_path, monkeypatch,
+                                                                                       declared, shown):
+    """The same bytes declared as another shape or dtype (the header keeps its length)."""
+    from treecli.formats import safetensors as st
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros((40, 25), np.float32), "c": np.full(10, 2, np.float32)}, str(src))
+    out = tmp_path / "out.safetensors"
+    original = st._encode_header
+
+    def misdeclared(entries, metadata):
+        head = original(entries, metadata)
+        assert head.count(b'"dtype":"F32","shape":[40,25]') == 1, head
+        return head.replace(b'"dtype":"F32","shape":[40,25]', declared)
+
+    monkeypatch.setattr(st, "_encode_header", misdeclared)
+    result = cli("convert", src, out, "-q")
+    assert_clean_error(result, "verification failed")
+    assert f"a: [40, 25] float32 -> {shown}" in result.stderr and "c:" not in result.stderr
+    assert not out.exists()
