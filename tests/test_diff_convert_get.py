@@ -2,7 +2,7 @@ import threading
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import treecli
 from treecli._diff import diff
@@ -40,6 +40,15 @@ def test_diff_shape_dtype_changes_and_nan(tmp_path):
     neg = diff({"z": np.array([0.0], np.float32)}, {"z": np.array([-0.0], np.float32)})
     assert not neg.equal  # exact compares bytes: -0.0 differs
     assert diff({"z": np.array([0.0])}, {"z": np.array([-0.0])}, rtol=0.0).equal
+
+
+def test_diff_of_files_names_shape_and_dtype_changes(cli, tmp_path):
+    a, b = _pair(tmp_path, lambda t: t.update({"s": np.zeros(4, np.float32), "v": np.zeros(2, np.float16)}))
+    save_file({**load_file(str(a)), "s": np.zeros(3, np.float32), "v": np.zeros(2, np.float32)}, str(a))
+    result = cli("diff", a, b, "--json")
+    assert result.code == 1
+    assert [(c["keypath"], c["a"], c["b"]) for c in result.json["changed"]] == [
+        ("s", "[3] float32", "[4] float32"), ("v", "[2] float32", "[2] float16")]
 
 
 @pytest.mark.parametrize("dtype, size", [(np.uint8, 4 * 1024 * 1024 + 13), (BF16, 3), (np.float64, 2 * 1024 * 1024 + 1)])

@@ -83,13 +83,12 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
 
 
 def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
-    described = (_tree.describe_leaf(x), _tree.describe_leaf(y))
     if not (_leaf.is_array(x) and _leaf.is_array(y)):
         if _leaf.is_array(x) or _leaf.is_array(y) or not _tree.values_equal(x, y):
             return Change(text, _describe_value(x), _describe_value(y))
         return None
-    if described[0] != described[1]:
-        return Change(text, *described)
+    if not _tree.same_layout(x, y):
+        return Change(text, _tree.describe_leaf(x), _tree.describe_leaf(y))
     return _compare_arrays(_leaf.as_leaf(x), _leaf.as_leaf(y), text, rtol, atol, progress)
 
 

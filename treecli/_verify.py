@@ -70,14 +70,6 @@ def _shown(name: str) -> str:
     return format_keypath((name,))
 
 
-def _same_layout(a: Any, b: Any) -> bool:
-    """Whether two leaves have the same shape and dtype, as ``describe_leaf`` tells them; for
-    two file leaves without the text (two strings a leaf took 0.58 s of a 200k-leaf check's 3.6 s)."""
-    if isinstance(a, _leaf.ArrayLeaf) and isinstance(b, _leaf.ArrayLeaf):
-        return a.dtype_name == b.dtype_name and tuple(a.shape) == tuple(b.shape)
-    return _tree.describe_leaf(a) == _tree.describe_leaf(b)
-
-
 class Verifier:
     """A check of a finished temporary against ``tree``, raising on any difference; called
     with the temporary. The output is opened by its own reader, and its names, shapes and
@@ -137,7 +129,7 @@ class Verifier:
             output = written.get(name)
             if recorded is None or output is None:  # (a missing output: the comparison of names reports it)
                 continue
-            if not _leaf.is_array(output) or not _same_layout(source, output):
+            if not _leaf.is_array(output) or not _tree.same_layout(source, output):
                 problems.append(f"{name}: {_tree.describe_leaf(source)} -> {_tree.describe_leaf(output)}")
             else:
                 to_read.append((name, _leaf.as_leaf(output), recorded, source))
