@@ -13,8 +13,9 @@ base, against references measured in the same run:
 
     python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH]
 
-Wall time is the median of --runs (mergekit: one run); peak RSS is the child's
-ru_maxrss (for mergekit, that of the process it starts). Page cache warm for all.
+Wall time is the median of --runs (mergekit: one run), with the range of the method's
+time over the average of its own inputs turn by turn; peak RSS is the child's ru_maxrss
+(for mergekit, that of the process it starts). Page cache warm for all.
 Targets (issue 18): every method >= 5x faster than mergekit's; TIES <= 2.5x the time of
 `average` on the same inputs; peak RSS <= 200 MB and flat when the model doubles (--gib 2).
 """
@@ -130,14 +131,16 @@ def main() -> None:
             subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
         env = {"BENCH_MERGEKIT": args.mergekit or ""}
 
-        def interleaved(jobs: list[tuple[str, list[Path]]]) -> list[dict]:
+        def interleaved(jobs: list[tuple[str, list[Path]]]) -> tuple[list[dict], list[float]]:
             """Medians of --runs of each (method, inputs), taken in turns: the machine's drift
-            falls on all of them alike."""
+            falls on all of them alike; and, turn by turn, the last job's time over the one
+            before it's (the method's over the average of its own inputs), to show the spread."""
             results: list[list[dict]] = [[] for _ in jobs]
             for _ in range(args.runs):
                 for got, (method, models) in zip(results, jobs):
                     got.append(run("treecli", method, tmp / f"treecli-{method}.safetensors", base, models, env))
-            return [{k: statistics.median(r[k] for r in got) for k in got[0]} for got in results]
+            turns = [ours["seconds"] / own["seconds"] for own, ours in zip(results[-2], results[-1])]
+            return [{k: statistics.median(r[k] for r in got) for k in got[0]} for got in results], turns
 
         print(f"base + 3 fine-tunes, {base.stat().st_size / 2**30:.2f} GiB each, fp32")
         print("vs average: of the 3 fine-tunes / of the method's own inputs (the base and its models)")
@@ -145,10 +148,12 @@ def main() -> None:
         for method in args.methods.split(","):
             models = fts[:1] if method == "slerp" else fts
             # "average" of the inputs: the base is passed to the child as the first of them
-            three, own, ours = interleaved([("average", fts), ("average-with-base", models), (method, models)])
+            (three, own, ours), turns = interleaved([("average", fts), ("average-with-base", models),
+                                                     (method, models)])
             line = (f"{'treecli ' + method:<24} {ours['seconds']:>7.2f}s {ours['rss_mb']:>8.0f}MB "
                     f"{ours['seconds'] / three['seconds']:>6.2f}x / {ours['seconds'] / own['seconds']:.2f}x"
-                    f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s)")
+                    f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s; turn by turn "
+                    f"{min(turns):.2f}-{max(turns):.2f}x)")
             if args.mergekit:
                 theirs = run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
