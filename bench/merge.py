@@ -133,8 +133,8 @@ def main() -> None:
 
         def interleaved(jobs: list[tuple[str, list[Path]]]) -> tuple[list[dict], list[float]]:
             """Medians of --runs of each (method, inputs), taken in turns: the machine's drift
-            falls on all of them alike; and, turn by turn, the last job's time over the one
-            before it's (the method's over the average of its own inputs), to show the spread."""
+            falls on all of them alike; and, turn by turn, the last job's time over that of the
+            job before it (the method's over the average of its own inputs), to show the spread."""
             results: list[list[dict]] = [[] for _ in jobs]
             for _ in range(args.runs):
                 for got, (method, models) in zip(results, jobs):
