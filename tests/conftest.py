@@ -156,9 +156,12 @@ sys.exit(main(["edit", sys.argv[1], "-o", sys.argv[2], "--force", "--scale", "**
 
 def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, float],
                      is_complete: Callable[[Path], bool]) -> dict[str, int]:
-    """SIGKILL `treecli edit SRC -o OUT` at random moments, every other trial with an old
-    output in place. Asserts that each time OUT is the old bytes, absent, or complete
-    (``is_complete``), never torn, and the input untouched; returns how often each happened."""
+    """SIGKILL `treecli edit SRC -o OUT`, every other trial with an old output in place: in
+    half the trials once its temporary output holds a random share of the output's bytes
+    (mid-write, however fast the machine), in the other half after a random delay in
+    ``delays`` (seconds: anywhere from start-up to after the end). Asserts that each time
+    OUT is the old bytes, absent, or complete (``is_complete``), never torn, and the input
+    untouched; returns how often each happened."""
     import random
     import subprocess
     import sys
@@ -172,8 +175,12 @@ def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, flo
             out.unlink(missing_ok=True)
         else:
             out.write_bytes(old)
+        earlier = set(out.parent.glob(".treecli-tmp-*"))  # left by earlier kills
         proc = subprocess.Popen([sys.executable, "-c", KILL_EDIT, str(src), str(out)])
-        time.sleep(random.uniform(*delays))
+        if (trial // 2) % 2 == 0:
+            _wait_for_temporary(proc, out.parent, earlier, random.uniform(0.05, 0.95) * src.stat().st_size)
+        else:
+            time.sleep(random.uniform(*delays))
         proc.kill()
         proc.wait()
         if not out.exists():
@@ -189,6 +196,22 @@ def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, flo
     assert all(name.startswith(".treecli-tmp-") for name in leftovers), leftovers
     assert outcomes["old"] + outcomes["absent"] > 0, outcomes  # some kills did land mid-write
     return outcomes
+
+
+def _wait_for_temporary(proc, directory: Path, earlier: set, size: float, timeout: float = 60) -> None:
+    """Until a temporary output in ``directory`` that was not there before (``earlier``)
+    holds ``size`` bytes, or the process has ended."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        for path in set(directory.glob(".treecli-tmp-*")) - earlier:
+            try:
+                if path.stat().st_size >= size:
+                    return
+            except FileNotFoundError:  # renamed into place meanwhile
+                pass
+        time.sleep(0.0005)
 
 
 def pytest_collection_modifyitems(config, items):
