@@ -199,8 +199,8 @@ def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, flo
 
 
 def _wait_for_temporary(proc, directory: Path, earlier: set, size: float, timeout: float = 60) -> None:
-    """Until a temporary output in ``directory`` that was not there before (``earlier``)
-    holds ``size`` bytes, or the process has ended."""
+    """Returns once a temporary output in ``directory`` that was not there before
+    (``earlier``) holds ``size`` bytes, or once the process has ended."""
     import time
 
     deadline = time.monotonic() + timeout
