@@ -178,7 +178,7 @@ def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, flo
         earlier = set(out.parent.glob(".treecli-tmp-*"))  # left by earlier kills
         proc = subprocess.Popen([sys.executable, "-c", KILL_EDIT, str(src), str(out)])
         if (trial // 2) % 2 == 0:
-            _wait_for_temporary(proc, out.parent, earlier, random.uniform(0.05, 0.95) * src.stat().st_size)
+            wait_for_temporary(proc, out.parent, random.uniform(0.05, 0.95) * src.stat().st_size, earlier)
         else:
             time.sleep(random.uniform(*delays))
         proc.kill()
@@ -198,9 +198,10 @@ def kill_edit_trials(src: Path, out: Path, trials: int, delays: tuple[float, flo
     return outcomes
 
 
-def _wait_for_temporary(proc, directory: Path, earlier: set, size: float, timeout: float = 60) -> None:
+def wait_for_temporary(proc, directory: Path, size: float, earlier: set = frozenset(), timeout: float = 60) -> None:
     """Returns once a temporary output in ``directory`` that was not there before
-    (``earlier``) holds ``size`` bytes, or once the process has ended."""
+    (``earlier``) holds ``size`` bytes, or once the process has ended: a signal sent then
+    lands mid-write, however fast the machine."""
     import time
 
     deadline = time.monotonic() + timeout

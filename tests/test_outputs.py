@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 import treecli
 from treecli import _atomic
 
-from .conftest import BF16, assert_clean_error, bits
+from .conftest import BF16, assert_clean_error, bits, wait_for_temporary
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -594,9 +594,7 @@ def _start_writer(tmp_path, extra=()):
     out.write_bytes(b"previous output")
     proc = subprocess.Popen([sys.executable, "-m", "treecli", "edit", str(src), "-o", str(out), "--force",
                              "--scale", "**=0.5", *extra], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while time.time() < deadline and not any(p.name.startswith(".treecli-tmp") for p in tmp_path.iterdir()):
-        time.sleep(0.005)
+    wait_for_temporary(proc, tmp_path, src.stat().st_size / 10)  # the write is under way
     return proc, out
 
 

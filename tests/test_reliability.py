@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 import treecli
 from treecli._errors import TreecliError
 
-from .conftest import assert_clean_error, bits, kill_edit_trials, snapshot
+from .conftest import assert_clean_error, bits, kill_edit_trials, snapshot, wait_for_temporary
 
 RUN = [sys.executable, "-m", "treecli"]
 
@@ -48,9 +48,7 @@ def test_sigint_mid_write_exits_130_with_one_line_and_leaves_nothing(tmp_path):
             "sys.argv = ['treecli', *sys.argv[1:]]; runpy.run_module('treecli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", code, "edit", str(src), "-o", str(out), "--force",
                              "--scale", "**=0.5"], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while time.time() < deadline and not any(p.name.startswith(".treecli-tmp") for p in tmp_path.iterdir()):
-        time.sleep(0.01)  # wait until the temporary output exists: the write is under way
+    wait_for_temporary(proc, tmp_path, src.stat().st_size / 10)  # the write is under way
     proc.send_signal(signal.SIGINT)
     try:
         _, stderr = proc.communicate(timeout=60)
