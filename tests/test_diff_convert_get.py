@@ -237,3 +237,22 @@ def test_round_trips_between_every_pair_of_writable_formats(cli, tmp_path, sourc
         assert result.code == 0, (source, target, result.stderr)
         assert "verified" in result.stderr
         assert cli("diff", start, out).code == 0, (source, target)
+
+
+def test_get_of_a_large_leaf_reads_only_the_elements_it_prints(cli, tmp_path, monkeypatch):
+    from treecli._bytes import local
+
+    array = np.arange(2000 * 3000, dtype=np.float32).reshape(2000, 3000)
+    save_file({"w": array}, str(tmp_path / "big.safetensors"))
+    read = []
+    original = local.FileReader.read_into
+
+    def counting(self, buffer, offset):
+        read.append(buffer.nbytes)
+        return original(self, buffer, offset)
+
+    monkeypatch.setattr(local.FileReader, "read_into", counting)
+    result = cli("get", tmp_path / "big.safetensors", "w")
+    with np.printoptions(threshold=200, edgeitems=3, linewidth=120):
+        assert result.stdout.splitlines()[1:] == np.array2string(array).splitlines()
+    assert 0 < sum(read) <= 4 * 3 * 3000 * 4  # the four corners' rows, not the leaf's 24 MB

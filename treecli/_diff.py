@@ -104,8 +104,9 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
 
     import numpy as np
 
-    numeric = x.dtype.kind in "biuc" or _dtypes.is_float(x.dtype_name)
-    wide = np.complex128 if x.dtype.kind == "c" else np.float64  # x and y share a dtype here
+    kind = _dtypes.kind(x.dtype_name)
+    numeric = kind in "biufc"
+    wide = np.complex128 if kind == "c" else np.float64  # x and y share a dtype here
     differs = False
     max_abs = max_rel = 0.0
     # Chunks come in reused buffers, read ahead on another thread; equal bytes are found

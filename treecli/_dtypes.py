@@ -81,6 +81,19 @@ def parse(text: str) -> str:
     raise UsageError(f"unknown dtype {text!r} (try one of {known})")
 
 
+def kind(dtype: Any) -> str:
+    """NumPy's one-letter kind (``b i u f c``, else ``V``, ``U``, ...), decided by the dtype's name
+    for every dtype treecli knows: ml_dtypes reports its types (bf16, fp8, int4) as kind ``V``
+    in some releases and not in others, and a raw void (an npz's ``V2``) is ``V`` in all."""
+    dtype_name = name(dtype)
+    if dtype_name == "bool":
+        return "b"
+    if dtype_name in _ITEMSIZE:
+        return "f" if is_float(dtype_name) else "c" if dtype_name.startswith("complex") else \
+            "u" if dtype_name.startswith("uint") else "i"
+    return numpy_dtype(dtype_name).kind if isinstance(dtype, str) else dtype.kind
+
+
 def is_float(dtype: Any) -> bool:
     """Floating point, including bfloat16 and the fp8/fp6/fp4 types (which NumPy calls kind 'V')."""
     return name(dtype) in _FLOATS or name(dtype).startswith("float")  # float128 too

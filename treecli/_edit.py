@@ -183,11 +183,13 @@ def _constant_leaf(shape, dtype_name, value, keypath, report):
 
 
 def _same_value(value, stored, dtype_name) -> bool:
-    try:
-        back = float(stored.astype("float64"))
+    try:  # (complex128 holds every value a number typed on the command line becomes)
+        back = complex(stored.astype("complex128"))
     except (TypeError, ValueError):
         return True
-    return (math.isnan(value) and math.isnan(back)) or back == float(value)
+    value = complex(value)
+    same = (math.isnan(value.real) and math.isnan(back.real)) or back.real == value.real
+    return same and ((math.isnan(value.imag) and math.isnan(back.imag)) or back.imag == value.imag)
 
 
 def _from_npy(path: Path, old, allow_reshape, keypath, report):

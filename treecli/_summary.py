@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -228,15 +229,47 @@ def json_array(data: Any) -> Any:
     as non-array leaves: strict JSON, which ``jq`` reads."""
     import numpy as np
 
-    if data.dtype.kind == "V":  # raw bytes of a dtype nobody named (an npz's V2): hex, as json_value does
+    kind = _dtypes.kind(data.dtype)
+    if kind == "V":  # raw bytes of a dtype nobody named (an npz's V2): hex, as json_value does
         return np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data).tolist()
-    if _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8: as float64
-        data = data.astype(np.float64)
-    if data.dtype.kind == "c":  # [real, imag] pairs: JSON has no complex numbers
+    if _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8, int4: as Python numbers
+        data = data.astype(np.float64 if kind == "f" else np.int64)
+    if kind == "c":  # [real, imag] pairs: JSON has no complex numbers
         return json_array(np.stack([data.real, data.imag], axis=-1))
-    if data.dtype.kind != "f" or np.isfinite(data).all():
+    if kind != "f" or np.isfinite(data).all():
         return data.tolist()
     return np.vectorize(lambda x: json_value(float(x)), otypes=[object])(data).tolist()
+
+
+PRINT_THRESHOLD, EDGE_ITEMS = 200, 3  # NumPy's own: larger arrays print their first and last 3 along each axis
+
+
+def array_text(leaf: _leaf.ArrayLeaf) -> str:
+    """A leaf as NumPy prints it, summarised when large, reading only the elements printed.
+
+    A summarised axis is read as its first and last ``EDGE_ITEMS`` around one placeholder:
+    NumPy prints such an axis of length ``2 * EDGE_ITEMS + 1`` exactly as the whole one,
+    with ``...`` where the placeholder is.
+    """
+    import numpy as np
+
+    summarise = leaf.size > PRINT_THRESHOLD
+    edges = [summarise and n > 2 * EDGE_ITEMS for n in leaf.shape]
+    if not any(edges):
+        data = leaf.read()
+    else:
+        data = np.zeros([2 * EDGE_ITEMS + 1 if cut else n for n, cut in zip(leaf.shape, edges)], leaf.dtype)
+        halves = [((slice(0, EDGE_ITEMS), slice(0, EDGE_ITEMS)), (slice(-EDGE_ITEMS, None), slice(-EDGE_ITEMS, None)))
+                  if cut else ((slice(None), slice(None)),) for cut in edges]
+        for corner in itertools.product(*halves):
+            data[tuple(inside for _, inside in corner)] = leaf.read(tuple(source for source, _ in corner))
+    kind = _dtypes.kind(data.dtype)
+    if kind == "V":  # raw bytes of a dtype nobody named: hex
+        data = np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data)
+    elif _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8, int4: exactly, as wider NumPy numbers
+        data = data.astype(np.float32 if kind == "f" else np.int64)
+    with np.printoptions(threshold=0 if summarise else PRINT_THRESHOLD, edgeitems=EDGE_ITEMS, linewidth=120):
+        return np.array2string(data)
 
 
 def add_stats(root: Node, progress: Callable[[int], None] | None = None) -> None:
@@ -253,7 +286,7 @@ def leaf_stats(leaf: _leaf.ArrayLeaf, progress: Callable[[int], None] | None = N
     count = finite = nan = inf = zeros = 0
     lo, hi = math.inf, -math.inf
     mean = m2 = 0.0
-    numeric = leaf.dtype.kind in "biu" or _dtypes.is_float(leaf.dtype)
+    numeric = _dtypes.kind(leaf.dtype_name) in "biuf"
     for start, stop in leaf.chunk_ranges():
         chunk = leaf.read_flat(start, stop)
         if progress:

@@ -57,16 +57,12 @@ def get(
             _write_npy(leaf, output, force, keypath, ckpt)
             out.note(f"wrote {output}")
             return
-        data = leaf.read()
         if json:
             out.json({"keypath": keypath, "shape": list(leaf.shape), "dtype": leaf.dtype_name,
-                      "value": _summary.json_array(data)})
+                      "value": _summary.json_array(leaf.read())})
             return
-        import numpy as np
-
         out.print(f"{keypath}  {list(leaf.shape)} {leaf.dtype_name}")
-        with np.printoptions(threshold=200, edgeitems=3, linewidth=120):
-            out.print(np.array2string(data.astype(np.float32) if data.dtype.kind == "V" else data))
+        out.print(_summary.array_text(leaf))
 
 
 def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
