@@ -31,6 +31,11 @@ class Server(http.server.ThreadingHTTPServer):
         self.short_by = 0  # promise this many bytes more than sent
         self.status: dict[str, int] = {}  # path -> error status
         self.token = None  # when set, requests without "Authorization: Bearer TOKEN" get 401
+        self.redirects: dict[str, str] = {}  # path -> a Location on another origin (a 302)
+        self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
+        self.validators = True  # send an ETag
+        self.drip = 0.0  # when set, send a body a byte at a time, this many seconds apart
+        self.on_request = None  # called with the request's number (from 1) before it is answered
         self.lock = threading.Lock()
 
     @property
@@ -55,6 +60,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         server: Server = self.server
         with server.lock:
             server.requests.append((self.path, self.headers.get("Range", "")))
+            server.authorizations.append((self.path, self.headers.get("Authorization")))
+            number = len(server.requests)
+        if server.on_request:
+            server.on_request(number)
+        if self.path in server.redirects:
+            self.send_response(302)
+            self.send_header("Location", server.redirects[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         time.sleep(server.latency)
         unauthorized = server.token and self.headers.get("Authorization") != f"Bearer {server.token}"
         if self.path in server.status or unauthorized:
@@ -91,14 +106,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             chunk = body
             self.send_response(200)
-        self.send_header("ETag", etag)
+        if server.validators:
+            self.send_header("ETag", etag)
         self.send_header("Content-Length", str(len(chunk)))
         self.end_headers()
         sent = chunk[: len(chunk) - server.short_by] if server.short_by else chunk
         with server.lock:
             server.bytes_served += len(sent)
         try:
-            self.wfile.write(sent)
+            if server.drip:
+                for i in range(len(sent)):
+                    self.wfile.write(sent[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(server.drip)
+            else:
+                self.wfile.write(sent)
         except (BrokenPipeError, ConnectionResetError):
             pass
         if server.short_by:
@@ -353,3 +375,78 @@ def test_orbax_reads_from_the_hub_carry_the_token(orbax_run, server, cli, monkey
     result = cli("show", "hf://org/private", "--step", "10", "--flat")
     assert result.code == 0, result.stderr
     assert "state.params.w" in result.stdout
+
+
+@pytest.fixture
+def cdn(server):
+    """A second server on another port: where the Hub's redirects send its files."""
+    other = Server()
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    yield other
+    other.shutdown()
+    other.server_close()
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_the_hub_token_never_follows_a_redirect_to_another_origin(server, cdn, tmp_path, cli, monkeypatch, layout):
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    prefix = "/org/model/resolve/main"
+    if layout == "file":
+        _publish(cdn, "/blob/model.safetensors", _model(), tmp_path)
+        names = ["model.safetensors"]
+    else:
+        _publish_sharded(cdn, "/blob", 2, tmp_path)
+        names = ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for name in names:
+        server.redirects[f"{prefix}/{name}"] = f"{cdn.url}/blob/{name}"
+    result = cli("convert", "hf://org/model", tmp_path / "out.safetensors")
+    assert result.code == 0, result.stderr
+    assert any(auth == "Bearer secret" for _, auth in server.authorizations)  # the Hub gets it
+    assert cdn.requests and all(auth is None for _, auth in cdn.authorizations), cdn.authorizations
+
+
+def test_the_token_stays_when_a_redirect_keeps_the_origin(server, tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    _publish(server, "/blob/model.safetensors", _model(), tmp_path)
+    server.status["/org/m/resolve/main/model.safetensors.index.json"] = 404
+    server.redirects["/org/m/resolve/main/model.safetensors"] = f"{server.url}/blob/model.safetensors"
+    assert cli("show", "hf://org/m").code == 0
+    assert all(auth == "Bearer secret" for _, auth in server.authorizations)
+
+
+def test_a_dripping_server_is_one_line_within_the_deadline(server, tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("TREECLI_HTTP_DEADLINE", "1.5")
+    _publish(server, "/m.safetensors", _model(), tmp_path)
+    server.drip = 0.05  # well under the per-recv timeout, far under any useful rate
+    start = time.perf_counter()
+    result = cli("convert", f"{server.url}/m.safetensors", tmp_path / "out.safetensors")
+    elapsed = time.perf_counter() - start
+    assert_clean_error(result, f"{server.url}/m.safetensors", "TREECLI_HTTP_DEADLINE")
+    assert elapsed < 1.5 * 6, elapsed  # one deadline per try at most, never hours
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_a_server_without_validators_that_swaps_the_file_is_never_mixed(server, tmp_path, cli, monkeypatch):
+    """Without an ETag or Last-Modified a same-size swap cannot be seen between two range
+    requests: such a file is refused beyond its first request, unless the user says to read it."""
+    first = {"a": np.zeros(40_000, np.float32), "b": np.ones(40_000, np.float32)}
+    second = {"a": np.ones(40_000, np.float32), "b": np.zeros(40_000, np.float32)}  # same size, same header
+    _publish(server, "/m.safetensors", first, tmp_path)
+    _publish(server, "/new.safetensors", second, tmp_path)
+    server.validators = False
+    body = server.files.pop("/new.safetensors")
+    server.on_request = lambda n: n == 1 and server.files.__setitem__("/m.safetensors", body)  # after the first
+    result = cli("convert", f"{server.url}/m.safetensors", tmp_path / "out.safetensors")
+    assert_clean_error(result, f"{server.url}/m.safetensors", "TREECLI_HTTP_UNVALIDATED")
+    assert not (tmp_path / "out.safetensors").exists()
+    assert cli("show", f"{server.url}/m.safetensors").code == 0  # the header alone: one request
+
+
+def test_a_server_without_validators_is_read_when_the_user_says_so(server, tmp_path, cli, monkeypatch):
+    tensors = {"a": np.zeros(40_000, np.float32), "b": np.arange(40_000, dtype=np.float32)}
+    _publish(server, "/m.safetensors", tensors, tmp_path)
+    server.validators = False
+    monkeypatch.setenv("TREECLI_HTTP_UNVALIDATED", "1")
+    result = cli("convert", f"{server.url}/m.safetensors", tmp_path / "out.safetensors")
+    assert result.code == 0, result.stderr
+    assert np.asarray(treecli.load(tmp_path / "out.safetensors")["b"]).tolist() == tensors["b"].tolist()

@@ -5,24 +5,40 @@ knows the identity of what it reads (the ``ETag``, else ``Last-Modified``, and
 the size): a file replaced on the server mid-read is an error, never bytes from
 two versions. Transient failures (a reset, a 5xx, a short body) are retried
 with backoff; the rest are one-line errors naming the URL.
+
+Every request has a deadline (``TREECLI_HTTP_DEADLINE`` seconds, plus the time
+its bytes take at ``TREECLI_HTTP_MIN_RATE`` bytes a second): a stuck or
+dripping server is one line, never a hang. Credentials (``Authorization``,
+cookies) go only to the origin they were given for: a redirect to another
+scheme, host or port drops them, as ``requests`` and ``huggingface_hub`` do.
+A server that names no version (neither ``ETag`` nor ``Last-Modified``) could
+swap the file between two range requests unseen: such a file is read in one
+request or refused, unless ``TREECLI_HTTP_UNVALIDATED=1``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import os
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from treecli._errors import FormatError, TreecliError
 
 HEAD_GUESS = 64 << 10  # a first request this long holds the length and almost every header: one round trip
 PART_BYTES = 1 << 20  # a longer read is split into ranges this long, fetched at once
 RETRIES = 4  # transient failures (a reset, a 5xx, a short body) are tried again this many times
-TIMEOUT_S = 30
+TIMEOUT_S = 30  # the longest wait for a connection or for any one packet
+DEADLINE_S = 60.0  # every request finishes within this, plus its bytes' time at MIN_RATE
+MIN_RATE = 64 << 10  # bytes a second
+MAX_REDIRECTS = 10
+_REDIRECTS = (301, 302, 303, 307, 308)
+_CREDENTIALS = ("authorization", "proxy-authorization", "cookie")
 
 
 class HttpReader:
@@ -71,28 +87,20 @@ class HttpReader:
         _close_all(self._opened)
 
     def _first_request(self) -> bytes:
-        request = urllib.request.Request(self.url, headers={**self._headers, "Range": f"bytes=0-{HEAD_GUESS - 1}"})
-        try:
-            response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
-        except urllib.error.HTTPError as e:
-            e.close()
-            if e.code >= 500 or e.code == 429:
-                raise _Transient(f"HTTP {e.code}") from None
-            if e.code == 416:  # an empty file
-                self.size, self.identity = 0, e.headers.get("ETag") or e.headers.get("Last-Modified")
+        headers = {**self._headers, "Range": f"bytes=0-{HEAD_GUESS - 1}"}
+        with _get(self.url, headers, self.path, HEAD_GUESS) as (final, response):
+            if response.status == 416:  # an empty file
+                self.size, self.identity = 0, response.getheader("ETag") or response.getheader("Last-Modified")
                 return b""
-            raise status_error(e.code, e.reason, self.path) from None
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-            raise _Transient(f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}") from None
-        with response:
-            self._target = response.geturl()
+            _check_status(response.status, response.reason, self.path)
+            self._target = final
             self._check(response.status, response.headers, 0)
             try:
                 body = response.read(min(HEAD_GUESS, self.size) + 1)
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:
                 raise _Transient(f"connection lost mid-body: {e}") from None
-        if len(body) != min(HEAD_GUESS, self.size):
-            raise _Transient(f"the server sent {len(body)} bytes of the {min(HEAD_GUESS, self.size)} asked for")
+            if len(body) != min(HEAD_GUESS, self.size):
+                raise _Transient(f"the server sent {len(body)} bytes of the {min(HEAD_GUESS, self.size)} asked for")
         self.bytes_read += len(body)
         return body
 
@@ -100,6 +108,11 @@ class HttpReader:
         """Fill ``view`` with the bytes at ``offset``: a long range as parts, all in flight
         at once (one request at a time on loopback reached a quarter of local throughput)."""
         from treecli._bytes import stream
+
+        if self.identity is None and os.environ.get("TREECLI_HTTP_UNVALIDATED") != "1":
+            raise FormatError("the server names no version of the file (neither ETag nor Last-Modified), so a "
+                              "change between treecli's range requests would go unseen; read it from a server "
+                              "that does, or set TREECLI_HTTP_UNVALIDATED=1 to read it anyway", file=self.path)
 
         def part(start: int) -> Callable[[], None]:
             piece = view[start : start + PART_BYTES]
@@ -118,8 +131,6 @@ class HttpReader:
             broken.close()
 
     def _request_into(self, view: memoryview, offset: int) -> None:
-        import http.client
-
         parts = urllib.parse.urlsplit(self._target)
         connection = getattr(self._connections, "conn", None)
         if connection is None:
@@ -127,32 +138,32 @@ class HttpReader:
             connection = self._connections.conn = kind(parts.netloc, timeout=TIMEOUT_S)
             with self._lock:
                 self._opened.append(connection)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        headers = self._headers if self._target == self.url else {  # the Hub's token stays with the Hub
-            k: v for k, v in self._headers.items() if k != "Authorization"}
-        try:
-            connection.request("GET", target, headers={**headers, "Range": f"bytes={offset}-{offset + len(view) - 1}"})
-            response = connection.getresponse()
-        except (http.client.HTTPException, OSError) as e:
-            raise _Transient(f"{type(e).__name__}: {e}") from None
-        try:
-            if response.status >= 500 or response.status == 429:
-                raise _Transient(f"HTTP {response.status}")
-            if response.status >= 300:
-                raise status_error(response.status, response.reason, self.path)
-            self._check(response.status, response.headers, offset)
-            done = 0
-            while done < len(view):
-                n = response.readinto(view[done:])
-                if not n:
-                    break
-                done += n
-        except (http.client.HTTPException, OSError) as e:
-            raise _Transient(f"connection lost mid-body: {e}") from None
-        finally:
-            response.close()
-        if done != len(view):
-            raise _Transient(f"the server sent {done} bytes of the {len(view)} asked for")
+        headers = _credentials_for(self._target, self.url, self._headers)
+        with _Deadline(len(view), self.path, connection):
+            try:
+                connection.request("GET", _request_target(parts),
+                                   headers={**headers, "Range": f"bytes={offset}-{offset + len(view) - 1}"})
+                response = connection.getresponse()
+            except (http.client.HTTPException, OSError) as e:
+                raise _Transient(f"{type(e).__name__}: {e}") from None
+            try:
+                if response.status in _REDIRECTS:
+                    raise FormatError(f"the server moved the file again mid-read (HTTP {response.status})",
+                                      file=self.path)
+                _check_status(response.status, response.reason, self.path)
+                self._check(response.status, response.headers, offset)
+                done = 0
+                while done < len(view):
+                    n = response.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+            except (http.client.HTTPException, OSError) as e:
+                raise _Transient(f"connection lost mid-body: {e}") from None
+            finally:
+                response.close()
+            if done != len(view):
+                raise _Transient(f"the server sent {done} bytes of the {len(view)} asked for")
         self.bytes_read += done
 
     def _check(self, status: int, headers: Any, offset: int) -> None:
@@ -190,20 +201,132 @@ def get_small(url: str, headers: dict[str, str], name: str, limit: int) -> bytes
     """A whole small file (a shard index), or None if the server has none; transient
     failures retried as range reads are."""
     def attempt() -> bytes | None:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
-                return response.read(limit + 1)
-        except urllib.error.HTTPError as e:
-            e.close()
-            if e.code == 404:
+        with _get(url, headers, name, limit) as (_, response):
+            if response.status == 404:
                 return None
-            if e.code >= 500 or e.code == 429:
-                raise _Transient(f"HTTP {e.code}") from None
-            raise status_error(e.code, e.reason, name) from None
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-            raise _Transient(f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}") from None
+            _check_status(response.status, response.reason, name)
+            try:
+                return response.read(limit + 1)
+            except (OSError, http.client.HTTPException) as e:
+                raise _Transient(f"connection lost mid-body: {e}") from None
 
     return retrying(attempt, "reading it", name)
+
+
+def deadline(nbytes: int) -> float:
+    """Seconds a request for ``nbytes`` may take: ``TREECLI_HTTP_DEADLINE``, plus the bytes'
+    time at ``TREECLI_HTTP_MIN_RATE`` bytes a second."""
+    return _setting("TREECLI_HTTP_DEADLINE", DEADLINE_S) + nbytes / _setting("TREECLI_HTTP_MIN_RATE", MIN_RATE)
+
+
+def _setting(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        from treecli._errors import UsageError
+
+        raise UsageError(f"{name}={text!r} is not a positive number of {'seconds' if 'DEADLINE' in name else 'bytes'}")
+    return value
+
+
+class _Deadline:
+    """A request's deadline: when it passes, the connection's socket is shut down, so that a
+    read blocked on a stuck server fails at once, and the failure becomes one line saying so
+    (never retried: a server that slow would only be slow again)."""
+
+    def __init__(self, nbytes: int, name: str, connection: Any = None):
+        self.seconds, self._name, self.connection = deadline(nbytes), name, connection
+        self._expired = threading.Event()
+        self._timer = threading.Timer(self.seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        self._timer.cancel()
+        # (past the deadline, a read that "finished" may have met the shut socket's end early)
+        if self._expired.is_set() and (kind is None or issubclass(kind, Exception)):
+            if self.connection is not None:
+                self.connection.close()  # (http.client reconnects on the next request)
+            raise TreecliError(
+                f"the server did not finish a request within {self.seconds:.1f} s (TREECLI_HTTP_DEADLINE seconds "
+                "plus its bytes at TREECLI_HTTP_MIN_RATE bytes a second): stuck or too slow; raise them to wait "
+                "longer", file=self._name) from None
+
+    def _expire(self) -> None:
+        self._expired.set()
+        sock = getattr(self.connection, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def _get(url: str, headers: dict[str, str], name: str, nbytes: int) -> Iterator[tuple[str, Any]]:
+    """A GET of ``url`` that follows redirects, within one deadline for the chain and the
+    body (read by the caller inside the block); yields the final URL and the response.
+    Credentials go on only while the redirects stay at ``url``'s origin."""
+    with _Deadline(nbytes, name) as limit:
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise FormatError(f"the server redirected to {url[:200]!r}, which is not an HTTP(S) URL", file=name)
+            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            limit.connection = connection = kind(parts.netloc, timeout=TIMEOUT_S)
+            try:
+                try:
+                    connection.request("GET", _request_target(parts), headers=headers)
+                    response = connection.getresponse()
+                except (http.client.HTTPException, OSError) as e:
+                    raise _Transient(f"{type(e).__name__}: {e}") from None
+                location = response.getheader("Location") if response.status in _REDIRECTS else None
+                if location is None:
+                    with response:
+                        yield url, response
+                    return
+                response.close()
+            finally:
+                connection.close()
+            following = urllib.parse.urljoin(url, location)
+            headers = _credentials_for(following, url, headers)
+            url = following
+    raise FormatError(f"too many redirects (over {MAX_REDIRECTS}: a redirect loop?)", file=name)
+
+
+def _credentials_for(url: str, origin_url: str, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` for a request to ``url``: without credentials unless it is at the
+    origin (scheme, host and port) of ``origin_url``, the one they were given for."""
+    if _origin(url) == _origin(origin_url):
+        return headers
+    return {k: v for k, v in headers.items() if k.lower() not in _CREDENTIALS}
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+def _request_target(parts: urllib.parse.SplitResult) -> str:
+    return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
+def _check_status(status: int, reason: str, name: str) -> None:
+    """Transient failures (5xx, 429) to try again; other failures as one line."""
+    if status >= 500 or status == 429:
+        raise _Transient(f"HTTP {status}")
+    if status >= 300:
+        raise status_error(status, reason, name)
 
 
 def _close_all(connections: list[Any]) -> None:
