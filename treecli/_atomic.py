@@ -18,7 +18,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from treecli._errors import NotDurableError
 
@@ -209,3 +209,20 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     finally:
         shutil.rmtree(holder, ignore_errors=True)
         os.close(fd)
+
+
+@contextlib.contextmanager
+def updating(checkpoint: Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold the right to rewrite ``checkpoint`` in place, for a whole read-modify-write:
+    a second writer waits (``on_wait`` is called once first) and then reads the first one's
+    result, so that no update is lost. The lock is an ``flock`` on the directory that holds
+    the checkpoint (the checkpoint itself is replaced by a rename, a new inode each time),
+    so it leaves no file behind and dies with its process."""
+    fd = os.open(Path(checkpoint).resolve().parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if not _lock(fd):
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)

@@ -225,7 +225,7 @@ def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype
                     with report._lock:
                         report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
 
-    return _leaf.ComputedLeaf(leaves[0].shape, out_np, fill=fill_chunk)
+    return _leaf.ComputedLeaf(leaves[0].shape, out_np, fill=fill_chunk, inputs=leaves)
 
 
 _scratch = threading.local()

@@ -274,7 +274,7 @@ def cast_leaf(source, dtype_name, keypath, report):
             report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
                                    "and became inf")
 
-    return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill)
+    return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill, inputs=[source])
 
 
 def _scale(leaves, text, what, report):
@@ -291,7 +291,7 @@ def _scale(leaves, text, what, report):
             chunk = source.read_flat(start, stop)
             return (chunk.astype(np.float64) * factor).astype(source.dtype)
 
-        leaves[keypath] = _leaf.ComputedLeaf(source.shape, source.dtype_name, compute)
+        leaves[keypath] = _leaf.ComputedLeaf(source.shape, source.dtype_name, compute, inputs=[source])
         what.setdefault(keypath, []).append(f"scaled by {factor:g}")
 
 

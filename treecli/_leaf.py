@@ -17,7 +17,7 @@ Format modules subclass it for lazy file-backed leaves; operations build
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _dtypes
 
@@ -58,6 +58,12 @@ class ArrayLeaf:
     @property
     def nbytes(self) -> int:
         return self.size * self.itemsize
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The files (or checkpoint directories, or URLs) this leaf's bytes are read from when
+        asked: what no output may replace while the leaf can still be read. None for data in memory."""
+        return ()
 
     def read_flat(self, start: int, stop: int):
         """Elements ``[start, stop)`` in C order, as a 1-d NumPy array."""
@@ -173,7 +179,7 @@ class ComputedLeaf(ArrayLeaf):
     reuse two buffers for a whole checkpoint instead of touching fresh memory per
     chunk). ``compute_index``, when given, answers ``read(index)`` directly (a
     slice of a lazy leaf reads only its bytes); otherwise ``read`` computes the
-    whole leaf.
+    whole leaf. ``inputs`` are the leaves it reads: their ``sources`` are its own.
     """
 
     def __init__(
@@ -184,15 +190,21 @@ class ComputedLeaf(ArrayLeaf):
         compute_index: Callable[[Any], Any] | None = None,
         *,
         fill: Callable[[int, int, Any], None] | None = None,
+        inputs: Sequence[Any] = (),
     ):
         if (compute is None) == (fill is None):
             raise TypeError("ComputedLeaf needs exactly one of compute and fill")
+        self._inputs = tuple(leaf for leaf in inputs if isinstance(leaf, ArrayLeaf))
         self.shape = tuple(shape)
         self.dtype_name = _dtypes.name(dtype)
         self._compute = compute
         self._compute_index = compute_index
         self._fill = fill
         self.fills_buffers = fill is not None
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(source for leaf in self._inputs for source in leaf.sources))
 
     def read_flat(self, start: int, stop: int):
         if self._fill is None:

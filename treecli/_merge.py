@@ -305,7 +305,7 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
             trims.select()  # here, on two threads, before any block waits for it
         stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
-    return _leaf.ComputedLeaf(base.shape, in_dtype, fill=fill_chunk)
+    return _leaf.ComputedLeaf(base.shape, in_dtype, fill=fill_chunk, inputs=[base, *models])
 
 
 def _tally(d, w: float, first: bool, divisor: str | None, space: _Space, kept=None) -> None:
@@ -779,7 +779,8 @@ def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypa
                                                             report, convex=False))
         return interpolated[0]
 
-    return _leaf.ComputedLeaf(v0.shape, v0.dtype, fill=lambda start, stop, out: leaf().read_into(start, stop, out))
+    return _leaf.ComputedLeaf(v0.shape, v0.dtype, fill=lambda start, stop, out: leaf().read_into(start, stop, out),
+                              inputs=[v0, v1])
 
 
 def _slerp_factors(t: float, dot: float, norm0: float, norm1: float) -> tuple[float, float]:

@@ -152,7 +152,7 @@ def sliced_leaf(source: ArrayLeaf, index: tuple, shape: tuple[int, ...] | None =
         whole = source.read(index)
         return whole if sub_index == () else whole[sub_index].copy()
 
-    return ComputedLeaf(shape, source.dtype_name, compute, compute_index)
+    return ComputedLeaf(shape, source.dtype_name, compute, compute_index, inputs=[source])
 
 
 def _as_index(selectors: list) -> tuple:

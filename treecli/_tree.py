@@ -72,6 +72,12 @@ def array_bytes(tree: Any) -> int:
     return sum(_leaf.as_leaf(x).nbytes for x in leaves(tree) if _leaf.is_array(x))
 
 
+def sources(tree: Any) -> list[str]:
+    """Every file, checkpoint directory or URL the tree's lazy leaves are read from."""
+    found = dict.fromkeys(s for x in leaves(tree) if isinstance(x, _leaf.ArrayLeaf) for s in x.sources)
+    return list(found)
+
+
 def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
     """Every node, inner and leaf, with its key path (the root first)."""
     stack: list[tuple[KeyPath, Any]] = [((), tree)]

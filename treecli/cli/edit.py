@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -66,7 +68,8 @@ def edit(
                   allow_reshape=allow_reshape)
     if not any((edits.rename, edits.delete, edits.set, edits.cast, edits.scale)):
         raise UsageError("nothing to do: give --rename, --delete, --set, --cast or --scale")
-    with open_input(out, checkpoint, input_format, step, like) as ckpt:
+    with _updating(out, checkpoint) if in_place else contextlib.nullcontext(), \
+            open_input(out, checkpoint, input_format, step, like) as ckpt:
         tree, report = edit_tree(ckpt.tree, edits)
         if dry_run and not json:
             out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))
@@ -78,3 +81,14 @@ def edit(
             out.warn(line)
         if json:
             out.json(_render.changes_json(report.rows, written))
+
+
+def _updating(out: Output, checkpoint: str) -> contextlib.AbstractContextManager:
+    """The in-place edit's read-modify-write held against another one of the same checkpoint."""
+    from treecli import _atomic
+    from treecli.formats import is_url
+
+    if is_url(checkpoint) or not Path(checkpoint).exists():
+        return contextlib.nullcontext()  # (refused, or not found, when it is opened)
+    return _atomic.updating(Path(checkpoint), lambda: out.note(
+        f"waiting for another in-place edit of {checkpoint} to finish"))

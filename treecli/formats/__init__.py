@@ -13,6 +13,7 @@ import urllib.parse
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Sequence
 
+from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
@@ -204,14 +205,16 @@ def save(
             fmt, is_dir = output_format(key, format, input_format)
         except TreecliError as e:
             raise e.with_file(target, replace=str(key))
-        _outputs.write_remote(fmt, tree, target, is_dir, options, inputs, force)
+        _outputs.write_remote(fmt, tree, target, is_dir, options, [*inputs, *_tree.sources(tree)], force)
         return target
     target = Path(target)
     fmt, is_dir = output_format(target, format, input_format)
     if not hasattr(fmt, "write"):
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))
+    # the inputs the caller names, and every file the tree's lazy leaves still read from
+    sources = _outputs.sources_of([*inputs, *map(Path, _tree.sources(tree))])
     with _writing(target):
-        _outputs.write(fmt, tree, target, is_dir, options, _outputs.sources_of(inputs), force, verify)
+        _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
     return target
 
 

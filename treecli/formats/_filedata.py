@@ -26,6 +26,10 @@ class FileArrayLeaf(ArrayLeaf):
         self.shape = shape if type(shape) is tuple else tuple(shape)
         self.dtype_name = dtype_name if type(dtype_name) is str else _dtypes.name(dtype_name)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.reader.path,)
+
     def read_flat(self, start: int, stop: int):
         import numpy as np
 

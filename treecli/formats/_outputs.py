@@ -196,7 +196,7 @@ def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
 
 
 def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOptions,
-                 inputs: Sequence[Checkpoint | Path], force: bool) -> None:
+                 inputs: Sequence[Checkpoint | Path | str], force: bool) -> None:
     """Write a new output into a bucket: a safetensors object, or an Orbax checkpoint."""
     if not hasattr(fmt, "write_remote"):
         raise UsageError(f"treecli writes safetensors files and Orbax checkpoints to buckets, not {fmt.name}; "
@@ -206,9 +206,9 @@ def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOpti
                          file=url)
     target = url.rstrip("/")
     for c in inputs:
-        if isinstance(c, Checkpoint) and (c.file.rstrip("/") == target or c.file.startswith(target + "/")
-                                          or target.startswith(c.file.rstrip("/") + "/")):
-            raise UsageError(f"output would overwrite the input {c.file}; write to another URL", file=url)
+        source = c.file if isinstance(c, Checkpoint) else str(c)  # (a URL a lazy leaf reads, or a local file)
+        if source.rstrip("/") == target or source.startswith(target + "/") or target.startswith(source.rstrip("/") + "/"):
+            raise UsageError(f"output would overwrite the input {source}; write to another URL", file=url)
     fmt.write_remote(tree, url, options, replace=force)
 
 

@@ -216,6 +216,10 @@ class _Member:
         self.shape = shape
         self.dtype_name = name
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self._reader.path,)
+
 
 class _StreamedMemberLeaf(_Member, _leaf.ArrayLeaf):
     """A compressed (or big-endian) C-order member, decompressed as a stream: chunks read

@@ -341,6 +341,10 @@ class OrbaxLeaf(_leaf.WholeLeaf):
         self._band_rows = chunk_rows if 0 < chunk_rows < self.shape[0] else None
         self._band: tuple[int, int, Any] | None = None  # the band read last: (start, stop, flat data)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self._file,)
+
     def load(self):
         return self._read_box(())
 
