@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from treecli._errors import UsageError
+from treecli._keypath import MAX_INDEX_DIGITS
 
 Index = tuple  # tuple[int | slice | EllipsisType | None, ...]
 
@@ -38,12 +39,12 @@ def parse(text: str) -> Index:
         elif part in ("None", "newaxis", "np.newaxis"):
             out.append(None)
         elif _INT.fullmatch(part):
-            out.append(int(part))
+            out.append(_integer(part, text))
         elif ":" in part:
             bounds = [b.strip() for b in part.split(":")]
             if len(bounds) > 3 or not all(b == "" or _INT.fullmatch(b) for b in bounds):
                 raise UsageError(f"bad slice {part!r} in index {text!r}; write start:stop:step with integers")
-            values = [int(b) if b else None for b in bounds]
+            values = [_integer(b, text) if b else None for b in bounds]
             if len(values) == 3 and values[2] == 0:
                 raise UsageError(f"slice step cannot be zero in index {text!r}")
             out.append(slice(*values))
@@ -54,6 +55,13 @@ def parse(text: str) -> Index:
     if out.count(Ellipsis) > 1:
         raise UsageError(f"an index can only have a single ellipsis ('...'): {text!r}")
     return tuple(out)
+
+
+def _integer(digits: str, text: str) -> int:
+    """An index integer; one longer than any axis could need is refused before conversion."""
+    if len(digits.lstrip("+-").lstrip("0")) > MAX_INDEX_DIGITS:
+        raise UsageError(f"integer {digits[:20]}... in index {text[:60]!r} is too large for any array")
+    return int(digits)
 
 
 def format_index(index: Index) -> str:

@@ -31,6 +31,7 @@ KeyPath = tuple  # tuple[str | int, ...]
 # Characters that force a key into brackets and quotes when formatted.
 _PLAIN_KEY = re.compile(r"[^.=*\[\]\"'\s]+")
 _DIGITS = re.compile(r"-?[0-9]+")
+MAX_INDEX_DIGITS = 19  # no sequence or array axis has 10**19 items: longer integers are refused, never converted
 _DIGIT_RUNS = re.compile(r"([0-9]+)")  # ASCII digits only: '²'.isdigit() but int('²') fails
 
 
@@ -217,6 +218,8 @@ def _parse_bracket(text: str, start: int) -> tuple[Segment, int]:
     inner = text[i:j].strip()
     if not _DIGITS.fullmatch(inner):
         raise KeyPathSyntaxError(text, i, "expected an integer index or a quoted key inside [...]")
+    if len(inner.lstrip("0")) > MAX_INDEX_DIGITS:
+        raise KeyPathSyntaxError(text, i, "index too large for any sequence")
     return Segment("index", int(inner)), j + 1
 
 
@@ -258,7 +261,7 @@ def is_literal(pattern: Pattern) -> bool:
 
 def matches(pattern: Pattern, keypath: Sequence[str | int]) -> bool:
     """Whether the pattern matches exactly this key path (all of it)."""
-    return _match(tuple(pattern), tuple(keypath), 0, 0, {})
+    return _matched_prefixes(tuple(pattern), tuple(keypath))[-1]
 
 
 def covers(pattern: Pattern, keypath: Sequence[str | int]) -> bool:
@@ -266,27 +269,23 @@ def covers(pattern: Pattern, keypath: Sequence[str | int]) -> bool:
 
     A pattern that names an inner node covers every leaf under it.
     """
-    keypath = tuple(keypath)
-    memo: dict = {}
-    return any(_match(tuple(pattern), keypath[:k], 0, 0, memo) for k in range(len(keypath) + 1))
+    return any(_matched_prefixes(tuple(pattern), tuple(keypath)))
 
 
-def _match(pattern: tuple, keypath: tuple, p: int, k: int, memo: dict) -> bool:
-    state = (p, k, len(keypath))
-    if state in memo:
-        return memo[state]
-    if p == len(pattern):
-        result = k == len(keypath)
-    elif pattern[p].kind == "any":
-        result = _match(pattern, keypath, p + 1, k, memo) or (
-            k < len(keypath) and _match(pattern, keypath, p, k + 1, memo)
-        )
-    else:
-        result = k < len(keypath) and pattern[p].matches(keypath[k]) and _match(
-            pattern, keypath, p + 1, k + 1, memo
-        )
-    memo[state] = result
-    return result
+def _matched_prefixes(pattern: tuple, keypath: tuple) -> list[bool]:
+    """For each ``k`` from 0 to ``len(keypath)``: whether ``pattern`` matches ``keypath[:k]``.
+    One pass per segment over the positions reached so far (no recursion, so a pattern of
+    thousands of segments is no deeper than one of three; time is segments x keys)."""
+    reached = [True] + [False] * len(keypath)
+    for segment in pattern:
+        if segment.kind == "any":  # zero or more keys: every position from the first reached
+            first = reached.index(True) if True in reached else len(reached)
+            reached = [k >= first for k in range(len(reached))]
+        else:
+            reached = [False] + [reached[k] and segment.matches(key) for k, key in enumerate(keypath)]
+        if not any(reached):
+            break
+    return reached
 
 
 @lru_cache(maxsize=1 << 16)  # keys repeat: "weight" 200k times in a big checkpoint
@@ -297,7 +296,9 @@ def natural_sort_key(key: str | int) -> tuple:
     # Text and digit runs alternate, text first, so each position compares like with like;
     # a digit run sorts by value, then by spelling ("01" and "1" still get an order).
     parts = _DIGIT_RUNS.split(key)
-    parts[1::2] = [(int(p), p) for p in parts[1::2]]
+    # (by length, then spelling, of the digits without leading zeros: a number's order without
+    # int(), which refuses runs over 4300 digits and costs more)
+    parts[1::2] = [(len(p.lstrip("0")), p.lstrip("0"), p) for p in parts[1::2]]
     return (1, 0, tuple(parts))
 
 

@@ -131,18 +131,27 @@ def unflatten(items: list[tuple[KeyPath, Any]], template: Any = None, lists: Con
             node = node.setdefault(key, {})
         node[keypath[-1]] = leaf
 
-    def restore(node: Any, prefix: KeyPath) -> Any:
-        if not isinstance(node, dict) or not node:
-            return node
+    def restore(node: dict, prefix: KeyPath, rebuilt: dict) -> Any:
         original = _get_or_none(template, prefix)
-        rebuilt = {k: restore(v, prefix + (k,)) for k, v in node.items()}
         if isinstance(original, (list, tuple)) and all(isinstance(k, int) for k in rebuilt):
             return rebuild_sequence(original, [rebuilt[k] for k in sorted(rebuilt)])
         if prefix in lists and set(rebuilt) == set(range(len(rebuilt))):
             return [rebuilt[i] for i in range(len(rebuilt))]
         return rebuilt
 
-    return restore(root, ())
+    # Inner nodes in pre-order, then rebuilt children first, without recursion: a key path
+    # may be thousands of segments deep.
+    inner: list[tuple[dict, KeyPath]] = []
+    stack: list[tuple[dict, KeyPath]] = [(root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        inner.append((node, prefix))
+        stack.extend((child, prefix + (k,)) for k, child in node.items() if isinstance(child, dict) and child)
+    done: dict[int, Any] = {}
+    for node, prefix in reversed(inner):
+        done[id(node)] = restore(node, prefix, {k: done.get(id(v), v) if isinstance(v, dict) else v
+                                                for k, v in node.items()})
+    return done[id(root)]
 
 
 def _get_or_none(tree: Any, keypath: KeyPath) -> Any:
