@@ -256,3 +256,23 @@ def test_get_of_a_large_leaf_reads_only_the_elements_it_prints(cli, tmp_path, mo
     with np.printoptions(threshold=200, edgeitems=3, linewidth=120):
         assert result.stdout.splitlines()[1:] == np.array2string(array).splitlines()
     assert 0 < sum(read) <= 4 * 3 * 3000 * 4  # the four corners' rows, not the leaf's 24 MB
+
+
+def test_diff_statistics_over_infinities_and_nan_are_defined(cli, tmp_path):
+    """Equal infinities are equal; the maxima are over finite pairs; non-finite mismatches are counted."""
+    a = np.array([np.inf, -np.inf, np.nan, 1.0, 2.0, np.inf, np.nan], np.float32)
+    b = np.array([np.inf, -np.inf, np.nan, 1.5, 2.0, 3.0, 4.0], np.float32)
+    save_file({"w": a}, str(tmp_path / "a.safetensors"))
+    save_file({"w": b}, str(tmp_path / "b.safetensors"))
+    result = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json")
+    assert result.code == 1
+    [change] = result.json["changed"]
+    assert change["max_abs_diff"] == 0.5 and change["max_rel_diff"] == 0.5 / 1.5
+    assert change["nonfinite_mismatches"] == 2
+    text = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors").stdout
+    assert "2 non-finite differ" in text and "nan" not in text
+    same_infs = {"w": np.array([np.inf, 1.0], np.float32)}, {"w": np.array([np.inf, 1.5], np.float32)}
+    save_file(same_infs[0], str(tmp_path / "c.safetensors"))
+    save_file(same_infs[1], str(tmp_path / "d.safetensors"))
+    [change] = cli("diff", tmp_path / "c.safetensors", tmp_path / "d.safetensors", "--json").json["changed"]
+    assert change["max_abs_diff"] == 0.5 and "nonfinite_mismatches" not in change

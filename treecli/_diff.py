@@ -2,6 +2,10 @@
 
 Exact by default (the bytes, so NaN payloads and -0.0 count); with ``rtol`` /
 ``atol``, numerically as ``np.isclose`` does, NaN equal to NaN.
+
+The statistics of a changed leaf are over its finite pairs: equal infinities, and NaN
+with NaN, are equal; a pair where a non-finite value meets anything else is counted
+(``nonfinite``), never folded into the maximum differences as inf or NaN.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ class Change:
     keypath: str
     a: str  # description in a: "[2, 3] float32", or a value
     b: str
-    max_abs_diff: float | None = None
+    max_abs_diff: float | None = None  # over the pairs where both are finite
     max_rel_diff: float | None = None
+    nonfinite: int = 0  # pairs where Inf or NaN meets a different value
 
 
 @dataclass
@@ -39,9 +44,13 @@ class DiffResult:
                 return x
             return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
+        def change(c: Change) -> dict[str, Any]:
+            entry = {"keypath": c.keypath, "a": c.a, "b": c.b, "max_abs_diff": number(c.max_abs_diff),
+                     "max_rel_diff": number(c.max_rel_diff)}
+            return {**entry, "nonfinite_mismatches": c.nonfinite} if c.nonfinite else entry
+
         return {"equal": self.equal, "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
-                "changed": [{"keypath": c.keypath, "a": c.a, "b": c.b, "max_abs_diff": number(c.max_abs_diff),
-                             "max_rel_diff": number(c.max_rel_diff)} for c in self.changed]}
+                "changed": [change(c) for c in self.changed]}
 
 
 def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None, where: list[str] = (),
@@ -109,6 +118,7 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
     wide = np.complex128 if kind == "c" else np.float64  # x and y share a dtype here
     differs = False
     max_abs = max_rel = 0.0
+    nonfinite = 0
     # Chunks come in reused buffers, read ahead on another thread; equal bytes are found
     # at memory speed, and only chunks whose bytes differ are widened to float64.
     for cx, cy in stream.paired_chunks(x, y, start):
@@ -126,17 +136,18 @@ def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:
         differs = True
         if numeric:
             with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-                both_nan = np.isnan(fx) & np.isnan(fy)
-                delta = np.where(both_nan, 0.0, np.abs(fx - fy))
+                finite = np.isfinite(fx) & np.isfinite(fy)
+                same = (fx == fy) | (np.isnan(fx) & np.isnan(fy))  # equal infinities; NaN with NaN
+                nonfinite += int(np.count_nonzero(~finite & ~same))
+                delta = np.where(finite, np.abs(fx - fy), 0.0)
                 rel = np.where(delta == 0, 0.0, delta / np.abs(fy))
-            max_abs = max(max_abs, float(np.nanmax(delta)) if delta.size else 0.0)
-            if np.isnan(delta).any():
-                max_abs = float("nan")
-            max_rel = max(max_rel, float(np.nanmax(rel)) if rel.size else 0.0)
+            max_abs = max(max_abs, float(delta.max()) if delta.size else 0.0)
+            max_rel = max(max_rel, float(rel.max()) if rel.size else 0.0)
     if not differs:
         return None
     description = _tree.describe_leaf(x)
-    return Change(text, description, description, max_abs if numeric else None, max_rel if numeric else None)
+    return Change(text, description, description, max_abs if numeric else None, max_rel if numeric else None,
+                  nonfinite)
 
 
 def _in_local_files(leaf: Any) -> bool:

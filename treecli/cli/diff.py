@@ -63,8 +63,11 @@ def _print(out: Output, result, json: bool) -> None:
         rows += [[f"+ {k}", "only in b", "", "", ""] for k in result.only_in_b]
         for c in result.changed:
             same = c.a == c.b
+            note = "values differ" if same else ""
+            if c.nonfinite:
+                note += f"{'; ' if note else ''}{c.nonfinite} non-finite differ"
             rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
-                         "values differ" if same else "", _number(c.max_abs_diff), _number(c.max_rel_diff)])
+                         note, _number(c.max_abs_diff), _number(c.max_rel_diff)])
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
 
 
