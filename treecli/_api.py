@@ -18,10 +18,12 @@ from treecli.formats._base import Checkpoint
 
 
 def open(path: str | Path, format: str | None = None, *, like: Any = None,  # noqa: A001
-         **options: Any) -> Checkpoint:
+         step: int | None = None, item: str | None = None) -> Checkpoint:
     """Open a checkpoint lazily; use as a context manager to close its files.
 
     ``like``, a template pytree, names an ``.eqx`` file's records by its key paths.
+    ``step`` picks a CheckpointManager root's step (default: the latest), ``item`` one
+    of its items (``"default"``, ``"state"``): the tree is then that item's alone.
 
     Returns:
         A :class:`~treecli.formats._base.Checkpoint` with ``tree`` (lazy leaves),
@@ -29,15 +31,22 @@ def open(path: str | Path, format: str | None = None, *, like: Any = None,  # no
 
     Raises:
         FormatError: the file is not a valid checkpoint.
+        UsageError: no such item.
     """
-    return open_checkpoint(path, format, like=None if like is None else _pytree.structure(like), **options)
+    checkpoint = open_checkpoint(path, format, like=None if like is None else _pytree.structure(like), step=step)
+    if item is not None:
+        checkpoint.tree = checkpoint.item(item)
+    return checkpoint
 
 
 def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy: bool | None = None,
-         **options: Any) -> Any:
+         step: int | None = None, item: str | None = None) -> Any:
     """The tree of a checkpoint.
 
     Args:
+        step: a CheckpointManager root's step (default: the latest).
+        item: one item of a CheckpointManager step (``"default"``, ``"state"``); with
+            ``like`` and a step of a single item, that item.
         like: a template pytree (a model, a ``TrainState``, ``jax.eval_shape``'s
             output): the result is the template's own type, its data leaves taken
             from the file by key path (by order for an ``.eqx`` file), shapes and
@@ -57,7 +66,12 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy:
     """
     template = None if like is None else _pytree.structure(like)
     lazy = like is None if lazy is None else lazy
-    checkpoint = open_checkpoint(path, format, like=template, **options)
+    checkpoint = open_checkpoint(path, format, like=template, step=step)
+    items = checkpoint.info.get("items")
+    if item is None and template is not None and items is not None and len(items) == 1:
+        item = items[0]  # a template describes one item's tree, as CheckpointManager.restore does
+    if item is not None:
+        checkpoint.tree = checkpoint.item(item)
     if template is not None:
         tree = _pytree.fill(template, checkpoint.tree, file=str(path), lazy=lazy)
     elif lazy:

@@ -187,8 +187,10 @@ def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
             if not fits(wanted[text], found[text]):
                 lines.append(f"{text or '<root>'}: {expected} in the template; {got} in {name}")
     if lines:
+        first = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
         raise StructureError(f"does not fit the template: {len(lines)} "
-                             f"{'difference' if len(lines) == 1 else 'differences'}", file=file, details=lines)
+                             f"{'difference' if len(lines) == 1 else 'differences'} ({first})", file=file,
+                             details=lines)
     leaves = list(template.leaves)
     for keypath, index in template.data:
         leaf = found[format_keypath(keypath)]

@@ -46,17 +46,11 @@ def show(
     """
     from treecli import _gc, _render, _summary
 
-    from treecli._errors import UsageError
-
     out = Output(quiet=quiet)
     with open_input(out, checkpoint, format, step, like) as ckpt:
         tree = ckpt.tree
         if item is not None:
-            items = ckpt.info.get("items")
-            if items is None or item not in items:
-                known = f"; items: {', '.join(items)}" if items else " (not a CheckpointManager step)"
-                raise UsageError(f"no item {item!r}{known}", file=str(checkpoint))
-            tree = {item: tree[item]}
+            tree = {item: ckpt.item(item)}
         root = _summary.summarize(tree, where or [], shared=not stats)  # stats: each leaf a row of its own
         _gc.outlive(tree, root)
         if stats:

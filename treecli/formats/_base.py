@@ -57,6 +57,20 @@ class Checkpoint:
     leaf_order: list[tuple] | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
+    def item(self, name: str) -> Any:
+        """The tree of one item of a CheckpointManager step.
+
+        Raises:
+            UsageError: not a step, or it has no such item (its items named).
+        """
+        from treecli._errors import UsageError
+
+        items = self.info.get("items")
+        if items is None or name not in items:
+            known = f"; items: {', '.join(items)}" if items else " (not a CheckpointManager step)"
+            raise UsageError(f"no item {name!r}{known}", file=self.file)
+        return self.tree[name]
+
     def close(self) -> None:
         for close in self._closers:
             close()

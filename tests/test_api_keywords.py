@@ -1,0 +1,66 @@
+"""The Python API's keywords: unknown ones are Python's own TypeError (never swallowed),
+and a CheckpointManager step's items are reached with ``item=`` (issue 31)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import treecli
+
+
+@pytest.fixture
+def tree():
+    return {"w": np.ones(3, np.float32)}
+
+
+@pytest.mark.parametrize("call", [
+    lambda t, p: treecli.load(p, stepp=100), lambda t, p: treecli.load(p, lazzy=False),
+    lambda t, p: treecli.open(p, stepp=1), lambda t, p: treecli.save(t, p, forse=True),
+    lambda t, p: treecli.average([t, t], wieghts=[1, 2]), lambda t, p: treecli.merge([t, t], "linear", dencity=1),
+    lambda t, p: treecli.diff(t, t, rtoll=1), lambda t, p: treecli.slice_tree(t, [], rulez=1),
+])
+def test_unknown_keywords_are_pythons_own_type_error(tree, tmp_path, call):
+    path = tmp_path / "a.npz"
+    treecli.save(tree, path)
+    with pytest.raises(TypeError, match=r"\w+\(\) got an unexpected keyword argument '\w+'"):
+        call(tree, path)
+
+
+@pytest.fixture(scope="module")
+def manager_root(tmp_path_factory):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    root = tmp_path_factory.mktemp("runs") / "run"
+    with ocp.CheckpointManager(str(root)) as manager:
+        for step in (1, 2):
+            manager.save(step, args=ocp.args.StandardSave({"params": {"w": np.full((2, 3), step, np.float32)},
+                                                           "step": np.asarray(step, np.int64)}))
+        manager.wait_until_finished()
+    return root
+
+
+def test_load_of_a_manager_root_with_a_template_takes_its_single_item(manager_root):
+    jax = pytest.importorskip("jax")
+    like = {"params": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}, "step": jax.ShapeDtypeStruct((), np.int64)}
+    state = treecli.load(manager_root, like=like)
+    assert np.asarray(state["params"]["w"]).tolist() == [[2.0] * 3] * 2  # the latest step
+    state = treecli.load(manager_root, like=like, step=1, item="default")
+    assert np.asarray(state["params"]["w"]).tolist() == [[1.0] * 3] * 2
+
+
+def test_item_selects_one_item_and_names_the_others_when_wrong(manager_root):
+    assert set(treecli.load(manager_root, item="default")) == {"params", "step"}
+    with treecli.open(manager_root, step=1, item="default") as checkpoint:
+        assert np.asarray(checkpoint.tree["params"]["w"]).tolist() == [[1.0] * 3] * 2
+    with pytest.raises(treecli.UsageError, match="no item 'state'; items: default"):
+        treecli.load(manager_root, item="state")
+
+
+def test_a_tree_that_does_not_fit_says_its_first_differences_in_the_message(manager_root):
+    jax = pytest.importorskip("jax")
+    like = {"params": {"w": jax.ShapeDtypeStruct((3, 3), np.float32), "b": jax.ShapeDtypeStruct((3,), np.float32)}}
+    with pytest.raises(treecli.StructureError) as caught:
+        treecli.load(manager_root, like=like)
+    message = str(caught.value)
+    assert "3 differences" in message
+    assert "params.b: only in the template" in message and "params.w: [3, 3] float32 in the template" in message
