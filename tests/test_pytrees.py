@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import treecli
 from tests.conftest import assert_clean_error
@@ -558,3 +559,27 @@ def test_readme_python_examples_run(block, tmp_path, monkeypatch):
     module = types.ModuleType("readme_example")  # dataclasses look their module up in sys.modules
     monkeypatch.setitem(sys.modules, module.__name__, module)
     exec(compile(block, "README.md", "exec"), module.__dict__)
+
+
+@pytest.mark.parametrize("how", ["convert-shapes", "convert-dtype", "edit-cast", "edit-cast-in-place"])
+def test_an_eqx_the_model_could_not_load_is_refused_before_writing(models, cli, tmp_path, how):
+    """Record i of an .eqx file is the model's i-th leaf: a leaf of another shape or dtype
+    would make the file unloadable into that model, so it is never written."""
+    like = ("--like", "mymodels:make_mlp")
+    before = models["mlp"].read_bytes()
+    if how.startswith("convert"):
+        tree = treecli.load(models["mlp"], like=FACTORIES["mlp"][1]())
+        leaves = {treecli.format_keypath(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                  if eqx.is_array(x)}
+        leaves["layers.0.weight"] = (np.zeros((5, 2), np.float32) if how == "convert-shapes"  # the model's: [3, 2]
+                                     else leaves["layers.0.weight"].astype(np.float16))
+        save_file(leaves, str(tmp_path / "wrong.safetensors"))
+        result = cli("convert", tmp_path / "wrong.safetensors", tmp_path / "out.eqx", *like)
+    elif how == "edit-cast":
+        result = cli("edit", models["mlp"], "-o", tmp_path / "out.eqx", "--cast", "layers.0.weight=bfloat16", *like)
+    else:
+        result = cli("edit", models["mlp"], "--in-place", "--cast", "layers.0.weight=bfloat16", *like)
+    assert_clean_error(result, "could not load", "layers.0.weight")
+    assert not (tmp_path / "out.eqx").exists()
+    assert models["mlp"].read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".treecli")] == []

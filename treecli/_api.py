@@ -111,7 +111,7 @@ def save(
     if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
         native = _pytree.numbers_as_arrays(native)
     options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size,
-                           drop_unsupported=drop_unsupported, leaf_order=structure.order if structure else None)
+                           drop_unsupported=drop_unsupported, like=structure)
     return _save(native, path, format=format, options=options, force=force)
 
 

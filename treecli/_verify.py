@@ -48,14 +48,14 @@ def _reference_check(written_path: Path, written: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _expected_and_written(tree: Any, written: Any, fmt: Any, leaf_order: list | None) -> tuple[dict, dict]:
+def _expected_and_written(tree: Any, written: Any, fmt: Any, like: Any) -> tuple[dict, dict]:
     """Both sides by stored name; an ``.eqx`` file stores no names, so record *i* is
     named after the *i*-th leaf the writer took (in the model's order)."""
     if fmt.name != "eqx":
         return stored_names(tree, fmt.separator), stored_names(written, fmt.separator)
     from treecli.formats import eqx
 
-    taken = eqx.records(tree, WriteOptions(drop_unsupported=True, leaf_order=leaf_order), "")
+    taken = eqx.records(tree, WriteOptions(drop_unsupported=True, like=like), "")
     names = [f"[{i}] {text}" for i, (text, _) in enumerate(taken)]
     return (dict(zip(names, (leaf for _, leaf in taken))),
             {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
@@ -86,9 +86,9 @@ class Verifier:
 
     def __init__(self, tree: Any, fmt: Any, dropped_allowed: bool,
                  progress: Callable[[str, int], ContextManager[Callable[[int], None]]] | None = None,
-                 leaf_order: list | None = None):
+                 like: Any = None):
         self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
-        self._progress, self._leaf_order = progress, leaf_order
+        self._progress, self._like = progress, like
         self.digests: dict[int, tuple[Any, tuple[int, int, int]]] = {}  # id(leaf): (leaf, digest)
         from treecli._bytes import stream
 
@@ -101,7 +101,7 @@ class Verifier:
         total = 2 * _tree.array_bytes(self._tree)
         with open_checkpoint(written_path, self._fmt.name) as written, \
                 (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
-            expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._leaf_order)
+            expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._like)
             problems = self._check_digests(expected, written_names, advance)
             # Names on one side only are found by set, and diff compares the leaves on both sides that
             # no digest checked (with an equal marker for each of 200k checked leaves, it took 3.5 s).

@@ -22,7 +22,7 @@ def open_input(out: Output, path: str | Path, format: str | None = None, step: i
     structure = None if like is None else template(like)
     checkpoint = open_checkpoint(path, format, step=step, like=structure)
     if structure is not None:
-        checkpoint.leaf_order = structure.order
+        checkpoint.like = structure
     for warning in checkpoint.warnings:
         out.warn(f"{path}: {warning}")
     return checkpoint
@@ -71,7 +71,7 @@ def write_output(
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
             companions=list(source.companions),
             drop_unsupported=drop_unsupported,
-            leaf_order=source.leaf_order,
+            like=source.like,
             progress=advance,
             warn=out.warn,
         )

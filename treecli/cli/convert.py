@@ -61,7 +61,7 @@ def convert(
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
         verify = None if no_verify or is_url(target) else Verifier(
             tree, output_format(Path(target), format, ckpt.format)[0], drop_unsupported, progress=out.progress,
-            leaf_order=ckpt.leaf_order)
+            like=ckpt.like)
         write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                      max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
         for line in report.warnings:

@@ -52,9 +52,9 @@ class Checkpoint:
     info: dict[str, Any] = field(default_factory=dict)
     #: Where its weights live on disk (None for a tree in memory).
     origin: Origin | None = None
-    #: The key paths of its leaves in the order of the model they belong to
-    #: (``--like``): what an ``.eqx`` output follows.
-    leaf_order: list[tuple] | None = None
+    #: The model its leaves belong to (``--like``): a ``_pytree.Structure``, whose
+    #: order, shapes and dtypes an ``.eqx`` output follows.
+    like: Any = None
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def item(self, name: str) -> Any:
@@ -91,9 +91,10 @@ class WriteOptions:
     max_shard_size: int | None = None
     companions: list[Path] = field(default_factory=list)
     drop_unsupported: bool = False
-    #: The order of the data leaves' key paths in the pytree they came from (JAX's
-    #: flatten order): what an ``.eqx`` output follows. None: the tree's own order.
-    leaf_order: list[tuple] | None = None
+    #: The pytree the data leaves belong to (a ``_pytree.Structure``): an ``.eqx``
+    #: output holds its leaves in its JAX flatten order, each of its shape and dtype,
+    #: so that the model loads it. None: the tree's own order.
+    like: Any = None
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
     #: Where writers record the digests of the leaves they write, for a verification (see

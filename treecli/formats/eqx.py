@@ -9,7 +9,8 @@ live in the model's code). Without a template it opens as an unnamed sequence
 ``.npy`` file is a sequence of one.
 
 Writing follows ``tree_serialise_leaves``: one record per array leaf, in the
-pytree's own order (``WriteOptions.leaf_order``; else JAX's order of the tree:
+pytree's own order (``WriteOptions.like``, whose shapes and dtypes each record must
+have, so that the model loads it; else JAX's order of the tree:
 dict keys sorted, sequences in order), bfloat16 as ``<V2`` as ``jnp.save``
 writes it, so that ``eqx.tree_deserialise_leaves`` reads the file back.
 """
@@ -120,9 +121,10 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
 
 
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
+    entries = records(tree, options, str(target))  # (refused before a byte is written)
     with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
         writeback = options.writeback(f)
-        for key, leaf in records(tree, options, str(target)):
+        for key, leaf in entries:
             # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.
             _npy.write(f, leaf, _npy.header(leaf), file=str(target), keypath=key, writeback=writeback,
                        progress=options.progress, digests=options.digests)
@@ -145,10 +147,11 @@ def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _lea
         if options.warn:
             options.warn(f"dropped {len(unsupported)} leaves an .eqx file cannot hold: {', '.join(unsupported[:20])}")
     arrays = {format_keypath(kp): _leaf.as_leaf(x) for kp, x in leaves.items() if _leaf.is_array(x)}
-    if options.leaf_order is None:
+    if options.like is None:
         texts = [format_keypath(kp) for kp in _jax_order(tree)]
         return [(text, arrays[text]) for text in texts if text in arrays]
-    order = [format_keypath(kp) for kp in options.leaf_order]
+    expected = {format_keypath(kp): options.like.leaves[i] for kp, i in options.like.data}
+    order = list(expected)
     missing = [text for text in order if text not in arrays]
     extra = sorted(arrays.keys() - set(order))
     if missing or extra:
@@ -156,6 +159,13 @@ def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _lea
             f"an .eqx file must hold exactly the model's {len(order)} array leaves, in its order; this tree lacks "
             f"{len(missing)} and has {len(extra)} others", file=file,
             details=[f"{t}: missing" for t in missing] + [f"{t}: not in the model" for t in extra])
+    # The model reads record i as its i-th leaf: one of another shape or dtype would not load.
+    misfits = [f"{text}: {_pytree.describe(expected[text])} in the model; {_tree.describe_leaf(arrays[text])} here"
+               for text in order if not _pytree.fits(expected[text], arrays[text])]
+    if misfits:
+        raise TreecliError(f"the model could not load this .eqx file: {len(misfits)} "
+                           f"{'leaf differs' if len(misfits) == 1 else 'leaves differ'} from it in shape or dtype "
+                           f"({misfits[0]}{'; ...' if len(misfits) > 1 else ''})", file=file, details=misfits)
     return [(text, arrays[text]) for text in order]
 
 
