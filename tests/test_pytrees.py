@@ -8,6 +8,7 @@ at, average, slice_tree, edit and diff and comes back as its own type.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -583,3 +584,50 @@ def test_an_eqx_the_model_could_not_load_is_refused_before_writing(models, cli, 
     assert not (tmp_path / "out.eqx").exists()
     assert models["mlp"].read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".treecli")] == []
+
+
+class _Noisy(nnx.Module):
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(seed, dropout=seed + 1)
+        self.lin = nnx.Linear(2, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+
+def _key_leaf(state):
+    return state["drop"]["rngs"]["key"].get_value()
+
+
+@pytest.mark.parametrize("name", ["s.safetensors", "s.npz", "s.msgpack", "orbax_dir"])
+def test_typed_prng_keys_round_trip_as_key_data(tmp_path, name):
+    state = nnx.state(_Noisy(0))
+    path = tmp_path / name
+    treecli.save(state, path, format="orbax" if name == "orbax_dir" else None, drop_unsupported=True)
+    stored = treecli.load(path)["drop"]["rngs"]["key"]["value"]
+    assert stored.dtype_name == "uint32" and tuple(stored.shape) == (2,)
+    back = treecli.load(path, like=state)
+    assert _key_leaf(back).dtype == _key_leaf(state).dtype  # key<fry> again
+    assert np.array_equal(jax.random.key_data(_key_leaf(back)), jax.random.key_data(_key_leaf(state)))
+    abstract = jax.eval_shape(lambda: nnx.state(_Noisy(0)))
+    assert _key_leaf(treecli.load(path, like=abstract)).dtype == _key_leaf(state).dtype
+    model = _Noisy(5)
+    nnx.update(model, back)
+    assert np.array_equal(model.lin.kernel.get_value(), state["lin"]["kernel"].get_value())
+    if name.endswith(".safetensors"):
+        assert json.loads(treecli.open(path).metadata["treecli.prng_keys"]) == {"drop.rngs.key.value": "threefry2x32"}
+
+
+def test_typed_prng_keys_are_copied_by_average_and_merge_and_compared_by_diff():
+    a, b = nnx.state(_Noisy(0)), nnx.state(_Noisy(0))
+    b["lin"]["kernel"].set_value(b["lin"]["kernel"].get_value() + 1)
+    soup, _ = treecli.average([a, b])
+    assert _key_leaf(soup).dtype == _key_leaf(a).dtype
+    assert np.array_equal(jax.random.key_data(_key_leaf(soup)), jax.random.key_data(_key_leaf(a)))
+    merged, _ = treecli.merge([a, b], "linear")
+    assert np.array_equal(jax.random.key_data(_key_leaf(merged)), jax.random.key_data(_key_leaf(a)))
+    assert treecli.diff(a, a).equal
+    other = nnx.state(_Noisy(1))
+    changed = {c.keypath for c in treecli.diff(a, other).changed}
+    assert "drop.rngs.key.value" in changed
+    with pytest.raises(treecli.TreecliError, match="cannot be averaged") as caught:
+        treecli.average([a, other], non_float="error")
+    assert any("drop.rngs.key.value" in line for line in caught.value.details)

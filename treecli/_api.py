@@ -9,12 +9,18 @@ lazily from files stay lazy, so that ``save`` streams them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _diff, _edit, _merge, _pytree, _slice
+from treecli import _average, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli._keypath import format_keypath
 from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
+
+
+# The metadata entry naming each typed PRNG key leaf's implementation, stored as its key data.
+PRNG_KEYS_METADATA = "treecli.prng_keys"
 
 
 def open(path: str | Path, format: str | None = None, *, like: Any = None,  # noqa: A001
@@ -99,7 +105,10 @@ def save(
     key paths name its leaves (``layers.0.weight``); an ``.eqx`` output keeps
     the order ``eqx.tree_serialise_leaves`` writes, so Equinox reads it back.
     Python numbers are stored as they are in Orbax and msgpack, and as 0-d arrays
-    elsewhere (``3`` as int64, as Equinox does).
+    elsewhere (``3`` as int64, as Equinox does). A typed PRNG key array (NNX's
+    ``Rngs``) is stored as its key data (uint32), its implementation recorded in the
+    metadata where the format keeps any (``treecli.prng_keys``); ``load(like=)`` makes
+    it a key again.
 
     Raises:
         UsageError: ``path`` exists and ``force`` is false.
@@ -110,7 +119,11 @@ def save(
     fmt, _ = output_format(Path(path), format, None)
     if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
         native = _pytree.numbers_as_arrays(native)
-    options = WriteOptions(metadata=dict(metadata or {}), max_shard_size=max_shard_size,
+    metadata = dict(metadata or {})
+    keys = {format_keypath(kp): leaf.key_impl for kp, leaf in _tree.flatten(native) if isinstance(leaf, _pytree.KeyData)}
+    if keys:  # (where the format keeps metadata: safetensors)
+        metadata.setdefault(PRNG_KEYS_METADATA, json.dumps(keys, sort_keys=True))
+    options = WriteOptions(metadata=metadata, max_shard_size=max_shard_size,
                            drop_unsupported=drop_unsupported, like=structure)
     return _save(native, path, format=format, options=options, force=force)
 

@@ -14,6 +14,10 @@ type is rebuilt from a result with the same key paths.
   and Python numbers, as in Equinox's ``is_array_like``. Other leaves — an
   activation function, a string field, ``None`` — are structure, like static
   fields: kept from the original, never stored.
+- Typed PRNG keys (``key<fry>``, NNX's ``Rngs``) become their key data, a
+  uint32 array (:class:`KeyData`, which remembers the implementation): stored,
+  averaged (copied, as integers are) and compared as such, and turned back into
+  keys wherever the template or the input had keys.
 - A native tree passes through untouched, and jax is imported only when a
   tree that needs it appears (the CLI's flat formats never do).
 """
@@ -65,6 +69,38 @@ def is_data(leaf: Any) -> bool:
     return jax is not None and isinstance(leaf, jax.ShapeDtypeStruct)
 
 
+def is_key(value: Any) -> bool:
+    """A typed PRNG key array, or a template's ``ShapeDtypeStruct`` of one."""
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+        return False
+    return jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+class KeyData(_leaf.InMemoryLeaf):
+    """A typed PRNG key array as what checkpoints hold: its key data (uint32, the key
+    shape last), with the name of its implementation (``threefry2x32``, ``rbg``)."""
+
+    def __init__(self, keys: Any):
+        import jax
+
+        super().__init__(jax.random.key_data(keys))
+        self.key_impl = str(jax.random.key_impl(keys))
+
+
+def _key_impl(template: Any) -> Any:
+    """The PRNG implementation of a key array or of a template's ``ShapeDtypeStruct``
+    (its key dtype's; JAX offers no public way from a ``ShapeDtypeStruct``)."""
+    return template.dtype._impl
+
+
+def keys_as_data(tree: Any) -> Any:
+    """A native tree with each typed key array as its :class:`KeyData`."""
+    if sys.modules.get("jax") is None:
+        return tree
+    return _tree.map_leaves(lambda _, leaf: KeyData(leaf) if is_key(leaf) else leaf, tree)
+
+
 @dataclass
 class Structure:
     """How a pytree was flattened: enough to rebuild its own type around new data leaves."""
@@ -108,9 +144,9 @@ def structure(tree: Any) -> Structure:
 def to_native(tree: Any) -> tuple[Any, Structure | None]:
     """The native tree of any pytree, and how to rebuild its type (``None``: it was native)."""
     if is_native(tree):
-        return tree, None
+        return keys_as_data(tree), None
     found = structure(tree)
-    return found.native, found
+    return keys_as_data(found.native), found
 
 
 # --- results: in memory in, in memory out ------------------------------------------------------------
@@ -145,6 +181,8 @@ def convert(leaf: Any, like: Any) -> Any:
     if type(like).__module__ == "numpy" and not isinstance(like, np.ndarray):  # a NumPy scalar
         return data[()]
     jax = sys.modules.get("jax")
+    if isinstance(like, KeyData) or is_key(like):
+        return jax.random.wrap_key_data(data, impl=like.key_impl if isinstance(like, KeyData) else _key_impl(like))
     if jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
         return jax.numpy.asarray(data)
     return data
@@ -194,7 +232,9 @@ def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
     leaves = list(template.leaves)
     for keypath, index in template.data:
         leaf = found[format_keypath(keypath)]
-        leaves[index] = leaf if lazy and not isinstance(leaf, _NUMBERS) else convert(leaf, template.leaves[index])
+        expected = template.leaves[index]
+        leaves[index] = leaf if lazy and not isinstance(leaf, _NUMBERS) and not is_key(expected) \
+            else convert(leaf, expected)
     return template.treedef.unflatten(leaves)
 
 
@@ -202,6 +242,8 @@ def describe(leaf: Any) -> str:
     """A template leaf as ``[2, 3] float32``; a Python number as its type."""
     if isinstance(leaf, _NUMBERS):
         return f"[] {type(leaf).__name__}"
+    if is_key(leaf):  # stored as its key data
+        return describe(_key_data_shape(leaf))
     return f"[{', '.join(str(int(d)) for d in leaf.shape)}] {_dtypes.name(leaf.dtype)}"
 
 
@@ -213,8 +255,17 @@ def fits(expected: Any, leaf: Any) -> bool:
     leaf = _leaf.as_leaf(leaf)
     if isinstance(expected, _NUMBERS):
         return leaf.shape == ()
+    if is_key(expected):
+        expected = _key_data_shape(expected)
     return tuple(leaf.shape) == tuple(int(d) for d in expected.shape) and leaf.dtype_name == _dtypes.name(
         expected.dtype)
+
+
+def _key_data_shape(keys: Any) -> Any:
+    """The ``ShapeDtypeStruct`` of a key array's key data: its shape, then the key's own."""
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(keys.shape) + tuple(_key_impl(keys).key_shape), "uint32")
 
 
 def import_template(spec: str) -> Any:
