@@ -253,3 +253,28 @@ def test_in_place_survives_kill_9_at_any_moment(tmp_path):
     # the next run removes the dead runs' temporaries
     subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(path)], check=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
+
+
+@pytest.mark.parametrize("layout", ["c", "fortran", "big-endian"])
+def test_set_from_npy_reads_every_layout_numpy_writes(tmp_path, layout):
+    value = np.arange(6, dtype=np.float32).reshape(3, 2)
+    stored = {"c": value, "fortran": np.asfortranarray(value), "big-endian": value.astype(">f4")}[layout]
+    np.save(tmp_path / "k.npy", stored)
+    out, _ = edit(sample(), Edits(set=[f"_orig_mod.head.kernel=@{tmp_path / 'k.npy'}"]))
+    assert np.asarray(out["_orig_mod"]["head"]["kernel"]).tolist() == value.tolist()
+
+
+def test_a_set_npy_truncated_while_the_edit_runs_is_one_line_not_sigbus(tmp_path):
+    """The value file is read by positional reads, never mapped: a file that shrinks under
+    treecli is an error naming it (a memory map would die of SIGBUS)."""
+    import treecli
+    from treecli._errors import TreecliError
+
+    big = np.ones((1 << 22,), np.float32)  # 16 MiB
+    save_file({"w": big}, str(tmp_path / "m.safetensors"))
+    np.save(tmp_path / "v.npy", big * 2)
+    tree, _ = edit(treecli.load(tmp_path / "m.safetensors"), Edits(set=[f"w=@{tmp_path / 'v.npy'}"]))
+    os.truncate(tmp_path / "v.npy", 4096)  # after the header was read, before the data
+    with pytest.raises(TreecliError, match="v.npy"):
+        treecli.save(tree, tmp_path / "out.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "v.npy"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from treecli import _dtypes, _errors, _keypath, _leaf, _tree
-from treecli._errors import KeyPathError, UsageError
+from treecli._errors import KeyPathError, TreecliError, UsageError
 from treecli._keypath import format_keypath
 
 
@@ -193,27 +193,39 @@ def _same_value(value, stored, dtype_name) -> bool:
 
 
 def _from_npy(path: Path, old, allow_reshape, keypath, report):
+    from treecli.formats import open_checkpoint
+
     import numpy as np
 
+    if not path.exists():
+        raise UsageError("no such file", file=str(path), keypath=keypath)
+    # Never a memory map, which a file truncated meanwhile turns into SIGBUS. No pickles, ever.
     try:
-        # mmap: the header now, the data only when the writer asks. No pickles, ever.
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise UsageError("no such file", file=str(path), keypath=keypath) from None
-    except (ValueError, OSError) as e:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            _, fortran, dtype = read_header(f)
+        if fortran or dtype.byteorder == ">":  # (rare: read whole, in C order and native byte order)
+            array = _leaf.InMemoryLeaf(np.load(path, allow_pickle=False))
+        else:  # a one-record .npy checkpoint: the header now, the data by positional reads when asked
+            checkpoint = open_checkpoint(path, "eqx")
+            if len(checkpoint.tree) != 1:
+                raise UsageError(f"holds {len(checkpoint.tree)} .npy records, not one array", file=str(path),
+                                 keypath=keypath)
+            array = checkpoint.tree[0]
+    except TreecliError as e:
+        raise UsageError(f"cannot read it as a .npy array: {e.message}", file=str(path), keypath=keypath) from None
+    except (ValueError, OSError, EOFError) as e:
         raise UsageError(f"cannot read it as a .npy array: {e}", file=str(path), keypath=keypath) from None
-    if not isinstance(array, np.ndarray):  # an .npz archive: many arrays, not one
-        array.close()
-        raise UsageError("is an .npz archive, not one .npy array; take the leaf out first: treecli get FILE KEY "
-                         "-o leaf.npy", file=str(path), keypath=keypath)
     if old is None or not _leaf.is_array(old):
-        return _leaf.InMemoryLeaf(array)
+        return array
     old_leaf = _leaf.as_leaf(old)
     if tuple(array.shape) != old_leaf.shape and not allow_reshape:
         raise UsageError(f"shape {list(array.shape)} does not match the leaf's {list(old_leaf.shape)} "
                          f"(use {_errors.option('allow_reshape')} to replace the shape too)", file=str(path),
                          keypath=keypath)
-    source = _leaf.InMemoryLeaf(array)
+    source = array
     if source.dtype_name == old_leaf.dtype_name:
         return source
     return cast_leaf(source, old_leaf.dtype_name, keypath, report)
