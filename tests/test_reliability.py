@@ -84,6 +84,19 @@ def test_file_too_large_is_a_clean_error_and_the_old_output_survives(tmp_path):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("target", ["out.safetensors", "out.npz", "out.msgpack", "out_dir", "out.eqx"])
+def test_file_too_large_on_every_output_format_is_one_line_naming_the_output(tmp_path, target):
+    src = _big_input(tmp_path, mib=4)
+    out = tmp_path / target
+    before = snapshot(tmp_path)
+    args = ["convert", str(src), str(out)] + (["--format", "orbax"] if target == "out_dir" else [])
+    result = subprocess.run(_limited("RLIMIT_FSIZE", 1 << 20) + args, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [result.stderr.splitlines()[0]], result.stderr  # one line, no traceback
+    assert result.stderr.startswith(f"treecli: error: {out}: ") and "File too large" in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before
+
+
 def test_a_sharded_output_that_fails_after_shard_2_leaves_no_shard_and_no_index(tmp_path, monkeypatch):
     from treecli.formats import WriteOptions, save
     from treecli.formats import safetensors as st

@@ -14,11 +14,12 @@ too; a bucket output is written here, then uploaded with its commit markers last
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from treecli import _leaf, _memory, _tree
 from treecli._errors import FormatError, TreecliError, UsageError, in_cli, option
@@ -449,8 +450,30 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     data = _tree.map_leaves(materialize, tree)
     # target is the empty directory the atomic writer made inside its locked holder;
     # Orbax replaces it (force), keeping its own temporaries in the holder too.
-    with ocp.PyTreeCheckpointer() as checkpointer:
+    with _orbax_errors(), ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save(os.path.abspath(target), data, force=True)
+
+
+@contextlib.contextmanager
+def _orbax_errors() -> Iterator[None]:
+    """Orbax's and TensorStore's failures (a full disk is ``RESOURCE_EXHAUSTED`` or
+    ``OUT_OF_RANGE`` with an errno inside) as one line, and absl's logged tracebacks of
+    them kept off the terminal: the error is treecli's to report."""
+    import logging
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except TreecliError:
+        raise
+    except Exception as e:
+        code = re.search(r"os_error_code='?(\d+)", str(e))
+        reason = os.strerror(int(code.group(1))) if code else re.sub(r"\s+", " ", str(e))[:200]
+        raise TreecliError(f"Orbax could not write it: {reason}") from e
+    finally:
+        absl.setLevel(level)
 
 
 # What marks an Orbax checkpoint finished: uploaded after every other file, and removed
