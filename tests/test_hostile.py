@@ -638,3 +638,50 @@ def test_an_eqx_record_of_bytes_is_a_clean_error(tmp_path):
     path = tmp_path / "m.eqx"
     path.write_bytes(buffer.getvalue())
     assert_clean_error(run_cli("show", path), "not numbers")
+
+
+@pytest.mark.parametrize("member", ["_METADATA", "_CHECKPOINT_METADATA"])
+def test_a_1_gib_orbax_json_file_is_refused_without_reading_it(tmp_path, member):
+    """Every JSON file of every format has a size cap, as safetensors headers do."""
+    import subprocess
+    import sys
+
+    ocp = pytest.importorskip("orbax.checkpoint")
+    ckpt = tmp_path / "ckpt"
+    ocp.PyTreeCheckpointer().save(str(ckpt), {"w": np.arange(4, dtype=np.float32)})
+    big = ckpt / member
+    with open(big, "wb") as f:  # sparse: a gigabyte that costs no disk
+        f.write(b"{")
+        f.truncate(1 << 30)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from treecli.cli import main; sys.exit(main(['show', sys.argv[1]]))")
+    result = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr and "MemoryError" not in result.stderr
+    if member == "_METADATA":
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("treecli: error: ") and "over 64 MiB" in result.stderr
+        assert member in result.stderr
+    else:  # what only describes the checkpoint: left out, as a damaged one is
+        assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("layout", ["one list", "many lists", "maps"])
+def test_a_msgpack_of_millions_of_empty_containers_is_refused_in_bounded_memory(tmp_path, layout):
+    import struct
+    import subprocess
+    import sys
+
+    n = 40_000_000
+    path = tmp_path / "bomb.msgpack"
+    with open(path, "wb") as f:
+        if layout == "one list":  # {"a": [[], [], ... 40M]}: 40 MB
+            f.write(b"\x81\xa1a\xdd" + struct.pack(">I", n) + b"\x90" * n)
+        else:  # {"a": [[[] x 1000], ... 40k]} or the same of empty maps
+            empty = b"\x90" if layout == "many lists" else b"\x80"
+            f.write(b"\x81\xa1a\xdd" + struct.pack(">I", n // 1000) + (b"\xdc\x03\xe8" + empty * 1000) * (n // 1000))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+            "from treecli.cli import main; sys.exit(main(['show', sys.argv[1]]))")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"treecli: error: {path}: ") and "Traceback" not in result.stderr
+    assert "MemoryError" not in result.stderr  # refused by count, in a few dozen MB, not by running out

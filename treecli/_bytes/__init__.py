@@ -33,7 +33,7 @@ class Source(Protocol):
 
 
 def small_text(body: bytes | None, limit: int, name: str, what: str = "metadata file") -> str | None:
-    """A small remote text file (an index, JSON metadata) fetched whole, checked: at
+    """A small text file (an index, JSON metadata) read whole, checked: at
     most ``limit`` bytes of UTF-8. None stays None (no such file)."""
     if body is None:
         return None

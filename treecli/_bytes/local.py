@@ -48,10 +48,16 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """A small text file (JSON metadata) as UTF-8, from a regular file only."""
+MAX_TEXT_BYTES = 64 << 20  # JSON metadata and shard indexes are far smaller
+
+
+def read_text(path: str | os.PathLike, limit: int = MAX_TEXT_BYTES, what: str = "metadata file") -> str:
+    """A small text file (JSON metadata, a shard index) as UTF-8, from a regular file only,
+    of at most ``limit`` bytes: never more is read, whatever the file holds."""
+    from treecli._bytes import small_text
+
     with open_regular(path) as f:
-        return f.read().decode("utf-8")
+        return small_text(f.read(limit + 1), limit, str(path), what)
 
 
 def identity(info: os.stat_result) -> tuple[int, int, int, int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from treecli._errors import FormatError
 
-MAX_TEXT_BYTES = 64 << 20  # metadata files (_METADATA, _CHECKPOINT_METADATA) are far smaller
+from treecli._bytes.local import MAX_TEXT_BYTES  # metadata files (_METADATA, _CHECKPOINT_METADATA) are far smaller
 MAX_KEYS = 1_000_000  # a listing longer than this is no checkpoint directory
 
 

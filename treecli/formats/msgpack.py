@@ -25,6 +25,7 @@ from treecli.formats._base import Checkpoint, WriteOptions
 from treecli._bytes.local import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
+MAX_NODES = 2_000_000  # arrays, maps and lists in one file: 20x a 100k-tensor model's
 _CHUNKED = "__msgpack_chunked_array__"
 _MAX_CHUNK = 2**30  # Flax's MAX_CHUNK_SIZE
 _MAP_FIRST_BYTES = set(range(0x80, 0x90)) | {0xDE, 0xDF}
@@ -63,8 +64,18 @@ def _open(path: Path) -> Checkpoint:
 
     file = str(path)
     shapes: dict[tuple, tuple] = {}
+    nodes = [0]
+
+    def counted(node: Any) -> Any:
+        """Every array, map and list built so far, counted: a file of a few bytes each could
+        otherwise make tens of millions of Python objects (gigabytes) from 40 MB."""
+        nodes[0] += 1
+        if nodes[0] > MAX_NODES:
+            raise _TooMany
+        return node
 
     def ext_hook(code: int, data: bytes) -> Any:
+        counted(None)
         try:
             if code in (_NDARRAY, _NPSCALAR):
                 shape, dtype_name, buffer = msgpack.unpackb(data, raw=False)
@@ -88,7 +99,11 @@ def _open(path: Path) -> Checkpoint:
     try:
         with open_regular(path) as f:
             data = f.read()
-        tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+        tree = msgpack.unpackb(data, ext_hook=ext_hook, object_hook=counted, list_hook=counted, raw=False,
+                               strict_map_key=False, max_array_len=MAX_NODES, max_map_len=MAX_NODES)
+    except _TooMany:
+        raise FormatError(f"holds over {MAX_NODES:,} arrays, maps and lists; no Flax state does, and holding "
+                          "them would take gigabytes of memory", file=file) from None
     except _BadExtension as e:
         raise FormatError(f"bad array in the file: {e}", file=file) from None
     except RecursionError:
@@ -102,6 +117,10 @@ def _open(path: Path) -> Checkpoint:
 
 
 class _BadExtension(Exception):
+    pass
+
+
+class _TooMany(Exception):
     pass
 
 

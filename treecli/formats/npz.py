@@ -37,6 +37,7 @@ from treecli.formats import _flatkeys, _npy, _zip
 from treecli.formats._base import Checkpoint, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
+MAX_METADATA_BYTES = 64 << 20
 METADATA_MEMBER = "__treecli__.json"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
 # What zipfile raises on damaged archives: bad headers, CRC mismatches, truncated
@@ -103,7 +104,11 @@ def _open_archive(path: Path, archive: zipfile.ZipFile, file_identity: tuple) ->
         real_dtypes = {}
         if METADATA_MEMBER in names:
             try:
-                real_dtypes = json.loads(archive.read(METADATA_MEMBER)).get("dtypes", {})
+                with archive.open(METADATA_MEMBER) as member:  # (at most what any real one needs, inflated)
+                    text = member.read(MAX_METADATA_BYTES + 1)
+                if len(text) > MAX_METADATA_BYTES:
+                    raise ValueError("too long")
+                real_dtypes = json.loads(text).get("dtypes", {})
                 if not isinstance(real_dtypes, dict) or not all(isinstance(v, str) for v in real_dtypes.values()):
                     raise ValueError("dtypes is not an object of names")
             except (*_ZIP_ERRORS, AttributeError):
