@@ -3,6 +3,7 @@ never import jax or orbax. Completion scripts are generated from the app."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_keypath_completion_reads_the_header_without_jax():
            "COMP_CWORD": "4"}
     result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True, cwd=ROOT,
                             env={**os.environ, **env})
-    assert result.stdout.split()[:2] == ["model.layers", "model.layers.0"]
+    assert result.stdout.split() == ["model.layers.0.", "model.layers.1.", "model.layers.2."]  # one level down
     modules = _modules_after("from treecli.cli import main\nmain([])", env)
     assert _heavy(modules) == []
 
@@ -124,3 +125,22 @@ def test_a_command_run_alone_says_what_the_whole_app_says(args, capsys):
         sys.stderr.write(f"treecli: error: {e.format_message()}\n")
     whole = capsys.readouterr()
     assert (code, alone.out, alone.err) == (whole_code or 0, whole.out, whole.err)
+
+
+def test_zsh_keeps_the_apostrophes_of_descriptions():
+    """Typer writes "mergekit's" as 'mergekit''s' inside single quotes: zsh reads that as
+    "mergekits" unless the script sets RC_QUOTES for its eval, as ours does."""
+    import shutil
+
+    script = (ROOT / "completions" / "_treecli").read_text()
+    function = script[script.index("_treecli_completion() {"):script.index("}")]
+    assert function.index("setopt local_options rc_quotes") < function.index("eval")
+    zsh = shutil.which("zsh")
+    if zsh is None:
+        pytest.skip("zsh is not installed")
+    env = {**os.environ, "_TREECLI_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "treecli "}
+    generated = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True, env=env).stdout
+    # _arguments replaced by print: what zsh makes of the words the script evals
+    shown = subprocess.run([zsh, "-fc", "setopt local_options rc_quotes; _arguments() { print -r -- \"$@\" }; "
+                            f"eval $(print -r -- {shlex.quote(generated)})"], capture_output=True, text=True).stdout
+    assert "mergekit's" in shown, shown

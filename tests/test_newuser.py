@@ -270,4 +270,42 @@ def test_edit_and_slice_patterns_complete_key_paths(words):
            "COMP_CWORD": str(len(words.split()) - 1)}
     result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True,
                             cwd=Path(__file__).parent.parent, env=env, timeout=60)
-    assert result.stdout.split()[:2] == ["model.layers", "model.layers.0"], result.stdout + result.stderr
+    assert result.stdout.split()[:2] == ["model.layers.0.", "model.layers.1."], result.stdout + result.stderr
+
+
+def _complete(words: str) -> list[str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "_TREECLI_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}
+    result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent.parent, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("words, expected", [
+    ("treecli merge a b -o o --method t", ["task_arithmetic", "ties"]),
+    ("treecli merge a b -o o --method d", ["dare_ties", "dare_linear"]),
+    ("treecli average a b -o o --non-float ", ["last", "first", "error"]),
+    ("treecli convert examples/tiny.safetensors x --format o", ["orbax"]),
+    ("treecli show examples/tiny.safetensors --format s", ["safetensors"]),
+    ("treecli convert examples/tiny.safetensors x --dtype bf", ["bfloat16"]),
+    ("treecli average a b -o o --dtype float1", ["float16"]),
+    ("treecli edit examples/tiny.safetensors --cast model.norm.weight=bfl", ["model.norm.weight=bfloat16"]),
+])
+def test_option_values_complete_from_their_choices_never_file_names(words, expected):
+    assert _complete(words) == expected
+
+
+def test_key_paths_complete_one_level_at_a_time():
+    assert _complete("treecli show examples/tiny.safetensors --where ") == ["lm_head.", "model.", "step"]
+    assert _complete("treecli show examples/tiny.safetensors --where m") == [
+        "model.embed_tokens.", "model.layers.", "model.norm."]
+    # one inner node fits: its children at once, as a shell completes a lone directory
+    assert _complete("treecli get examples/tiny.safetensors model.n") == ["model.norm.weight"]
+    assert len(_complete("treecli get examples/tiny.safetensors model.layers.0.")) == 3
+    assert _complete("treecli edit examples/tiny.safetensors --scale model.norm.weight=") == []

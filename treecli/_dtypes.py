@@ -39,6 +39,11 @@ def name(dtype: Any) -> str:
     return getattr(dtype, "name", None) or str(dtype)
 
 
+def names() -> list[str]:
+    """Every dtype name treecli knows, for completion and messages."""
+    return list(_ITEMSIZE)
+
+
 def is_known(dtype_name: str) -> bool:
     """A numeric dtype treecli handles (bool, ints, floats incl. bf16/fp8, complex); never objects or voids."""
     return dtype_name in _ITEMSIZE

@@ -55,7 +55,7 @@ def write_output(
     """Write a tree the way every command does: atomically, streaming, with a progress bar.
 
     ``in_place`` rewrites ``source`` where it lies (``target`` is then None).
-    Returns the path or URL written.
+    Returns the path or URL written; the command says so last (:func:`report_written`).
     """
     from treecli import _tree
     from treecli.formats import is_url, save_in_place
@@ -80,5 +80,26 @@ def write_output(
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify)
-    out.note(f"wrote {target}")
     return target
+
+
+def report_written(out: Output, written: str | Path | None, *, notes: Sequence[str] = (),
+                   warnings: Sequence[str] = (), json: dict[str, Any] | None = None) -> None:
+    """What a writing command says when it is done: its notes and warnings, then "wrote",
+    last; with ``--json``, also the command's document on stdout."""
+    for line in notes:
+        out.note(line)
+    for line in warnings:
+        out.warn(line)
+    if written is not None:
+        out.note(f"wrote {written}")
+    if json is not None:
+        out.json(json)
+
+
+def written_json(written: str | Path | None, notes: Sequence[str], warnings: Sequence[str],
+                 **facts: Any) -> dict[str, Any]:
+    """The ``--json`` document of ``average``, ``merge`` and ``convert``: the output, what
+    the command was given, and its notes and warnings."""
+    return {"output": None if written is None else str(written), **facts, "notes": list(notes),
+            "warnings": list(warnings)}

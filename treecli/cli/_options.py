@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from treecli.cli._complete import complete_keypaths
+from treecli.cli._complete import choices, complete_dtypes, complete_formats, complete_keypaths
 
 # Checkpoints are text, not Path: a Path would fold https://host into https:/host.
 CheckpointArg = Annotated[
@@ -19,18 +19,18 @@ CheckpointArg = Annotated[
 FormatOpt = Annotated[
     Optional[str],
     typer.Option("--format", "-f", help="Format of the input (default: detected from its bytes or layout).",
-                 show_default=False),
+                 autocompletion=complete_formats, show_default=False),
 ]
 OutputFormatOpt = Annotated[
     Optional[str],
     typer.Option("--format", "-f", help="Format of the output: safetensors or orbax (default: from the -o name, "
                  "else the input's). Orbax's writer holds the whole output in memory (about 4x its size); "
-                 "safetensors streams.", show_default=False),
+                 "safetensors streams.", autocompletion=complete_formats, show_default=False),
 ]
 InputFormatOpt = Annotated[
     Optional[str],
     typer.Option("--input-format", help="Format of the input (default: detected from its bytes or layout).",
-                 show_default=False),
+                 autocompletion=complete_formats, show_default=False),
 ]
 StepOpt = Annotated[
     Optional[int],
@@ -48,11 +48,17 @@ OutputOpt = Annotated[
                  "its extension.",
                  show_default=False),
 ]
-def patterns(flag: str, help: str) -> Any:
+def patterns(flag: str, help: str, complete: Any = complete_keypaths) -> Any:
     """A repeatable key-path option (``PATTERN=VALUE`` and the like) whose key paths
     complete from the checkpoint on the command line."""
-    return Annotated[Optional[list[str]], typer.Option(flag, help=help, autocompletion=complete_keypaths,
+    return Annotated[Optional[list[str]], typer.Option(flag, help=help, autocompletion=complete,
                                                        show_default=False)]
+
+
+def dtype_option(help: str) -> Any:
+    """``--dtype NAME``, completed from the dtypes treecli knows."""
+    return Annotated[Optional[str], typer.Option("--dtype", help=help, autocompletion=complete_dtypes,
+                                                 show_default=False)]
 
 
 LikeOpt = Annotated[
@@ -66,7 +72,8 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing out
 NonFloatOpt = Annotated[str, typer.Option("--non-float", help="Integer, bool and non-array leaves that differ "
                                           "between inputs (step counters, optax counts, JSON items): 'last' copies "
                                           "the last input's (the newest, listing steps in order), 'first' the "
-                                          "first's, 'error' refuses. A note names them.")]
+                                          "first's, 'error' refuses. A note names them.",
+                                          autocompletion=choices("last", "first", "error"))]
 MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Shard a safetensors directory output (e.g. 5GB, 500MiB).",

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, write_output
+from treecli.cli._common import open_input, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
@@ -23,20 +23,21 @@ def average(
     no_normalize: Annotated[bool, typer.Option("--no-normalize", help="Use the weights as given (task "
                                                "arithmetic: --weights 1,1,-1 --no-normalize); default: "
                                                "scale them to sum 1.")] = False,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype of float leaves (default: each "
-                                                 "leaf's own; bf16 stays bf16).", show_default=False)] = None,
+    dtype: opt.dtype_option("Output dtype of float leaves (default: each leaf's own; bf16 stays bf16).") = None,
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     like: opt.LikeOpt = None,
+    json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
     """Average checkpoints: model soups, the last N steps of a run, linear merges.
 
     Float leaves accumulate in float64 and are rounded back to their own dtype
-    (bf16 stays bf16); memory stays at a few MB whatever the model size.
+    (bf16 stays bf16); memory stays flat (a few chunks of 4 MiB per input)
+    whatever the model size.
 
     Examples:
 
@@ -55,11 +56,11 @@ def average(
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(open_input(out, path, like=like)) for path in checkpoints]
         names = [str(p) for p in checkpoints]
-        tree, report = average_trees([c.tree for c in opened], parse_weights(weights, len(opened)), names=names,
+        given = parse_weights(weights, len(opened))
+        tree, report = average_trees([c.tree for c in opened], given, names=names,
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)
-        write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
-                     max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        for line in report.notes():
-            out.note(line)
-        for line in report.warnings():
-            out.warn(line)
+        written = write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        notes, warnings = report.notes(), report.warnings()
+        report_written(out, written, notes=notes, warnings=warnings, json=written_json(
+            written, notes, warnings, inputs=names, weights=given, normalize=not no_normalize) if json else None)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, write_output
+from treecli.cli._common import open_input, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
@@ -18,8 +18,7 @@ def convert(
     target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False,
                                           metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point leaves to this dtype.",
-                                                 show_default=False)] = None,
+    dtype: opt.dtype_option("Cast floating-point leaves to this dtype.") = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,
@@ -28,6 +27,7 @@ def convert(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
     """Convert a checkpoint to another format, verified bit-exactly before it is published.
@@ -62,9 +62,8 @@ def convert(
         verify = None if no_verify or is_url(target) else Verifier(
             tree, output_format(Path(target), format, ckpt.format)[0], drop_unsupported, progress=out.progress,
             like=ckpt.like)
-        write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
-                     max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
-        for line in report.warnings:
-            out.warn(line)
-        if verify:
-            out.note("verified: every leaf is bit-exact")
+        written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        notes = ["verified: every leaf is bit-exact"] if verify else []
+        report_written(out, written, notes=notes, warnings=report.warnings, json=written_json(
+            written, notes, report.warnings, input=str(source), verified=verify is not None) if json else None)

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, write_output
+from treecli.cli._common import open_input, report_written, write_output
+from treecli.cli._complete import complete_cast
 from treecli.cli._output import Output
 
 
@@ -23,8 +24,8 @@ def edit(
     delete: opt.patterns("--delete", "PATTERN: leaves or whole subtrees.") = None,
     set_: opt.patterns("--set", "KEYPATH=VALUE: a number broadcast to the leaf's shape and dtype, or "
                        "@file.npy.") = None,
-    cast: opt.patterns("--cast", "PATTERN=DTYPE: wildcards cast float leaves only; a key path named exactly is cast "
-                       "whatever its dtype.") = None,
+    cast: opt.patterns("--cast", "PATTERN=DTYPE: wildcards cast float leaves only; a key path named exactly is "
+                       "cast whatever its dtype.", complete=complete_cast) = None,
     scale: opt.patterns("--scale", "PATTERN=FACTOR: multiply float leaves.") = None,
     allow_reshape: Annotated[bool, typer.Option("--allow-reshape", help="Let --set @file.npy change the "
                                                 "leaf's shape.")] = False,
@@ -77,10 +78,8 @@ def edit(
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force, in_place=in_place,
             max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        for line in report.warnings:
-            out.warn(line)
-        if json:
-            out.json(_render.changes_json(report.rows, written))
+        report_written(out, written, warnings=report.warnings,
+                       json=_render.changes_json(report.rows, written) if json else None)
 
 
 def _updating(out: Output, checkpoint: str) -> contextlib.AbstractContextManager:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, write_output
+from treecli.cli._common import open_input, report_written, write_output, written_json
+from treecli.cli._complete import complete_methods
 from treecli.cli._output import Output
 
 
@@ -18,7 +19,8 @@ def merge(
                                                       metavar="MODELS...")],
     output: opt.OutputOpt,
     method: Annotated[str, typer.Option("--method", "-m", help="linear, task_arithmetic, ties, dare_linear, "
-                                        "dare_ties or slerp.", show_default=False)],
+                                        "dare_ties or slerp.", show_default=False,
+                                        autocompletion=complete_methods)],
     base: Annotated[Optional[str], typer.Option("--base", help="The base model the task vectors (model - base) are "
                                                 "taken from; for slerp, the model at t = 0.",
                                                 show_default=False)] = None,
@@ -39,6 +41,7 @@ def merge(
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     like: opt.LikeOpt = None,
+    json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
     """Merge models with mergekit's methods, on any format, in flat memory.
@@ -66,9 +69,9 @@ def merge(
             weights=parse_weights(weights, len(opened)), density=density, lambda_=lambda_, t=t, seed=seed,
             normalize=normalize, names=list(checkpoints), base_name=base or "base", non_float=non_float)
         source = base_checkpoint or opened[0]
-        write_output(out, tree, output, source=source, inputs=[*opened, *([base_checkpoint] if base else [])],
-                     format=format, force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        for line in report.notes():
-            out.note(line)
-        for line in report.warnings():
-            out.warn(line)
+        written = write_output(out, tree, output, source=source,
+                               inputs=[*opened, *([base_checkpoint] if base else [])], format=format, force=force,
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+        notes, warnings = report.notes(), report.warnings()
+        report_written(out, written, notes=notes, warnings=warnings, json=written_json(
+            written, notes, warnings, method=method, base=base, inputs=list(checkpoints)) if json else None)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, write_output
+from treecli.cli._common import open_input, report_written, write_output
 from treecli.cli._output import Output
 
 
@@ -59,11 +59,14 @@ def slice_(
         raise UsageError("give -o OUTPUT, or --dry-run to see what would change")
     with open_input(out, checkpoint, input_format, step, like) as ckpt:
         tree, report = slice_tree(ckpt.tree, index)
+        notes = []
         if report.skipped:
             n = len(report.skipped)
-            out.note(f"default index skipped {n} {'leaf' if n == 1 else 'leaves'} with too few dimensions "
-                     f"(e.g. {report.skipped[0]})")
+            notes.append(f"default index skipped {n} {'leaf' if n == 1 else 'leaves'} with too few dimensions "
+                         f"(e.g. {report.skipped[0]})")
         if dry_run and not json:
+            for line in notes:
+                out.note(line)
             rows = [[k, _render.format_shape(b), "->", _render.format_shape(a), d, r]
                     for k, b, a, d, r in report.changed]
             out.lines(_render.table(["key path", "before", "", "after", "dtype", "rule"], rows))
@@ -71,7 +74,7 @@ def slice_(
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
             max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        if json:
-            rows = [(k, f"{_render.format_shape(b)} {d}", f"{_render.format_shape(a)} {d}", f"index {r}")
-                    for k, b, a, d, r in report.changed]
-            out.json(_render.changes_json(rows, written, report.skipped))
+        rows = [(k, f"{_render.format_shape(b)} {d}", f"{_render.format_shape(a)} {d}", f"index {r}")
+                for k, b, a, d, r in report.changed]
+        report_written(out, written, notes=notes,
+                       json=_render.changes_json(rows, written, report.skipped) if json else None)
