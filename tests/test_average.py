@@ -204,3 +204,38 @@ def test_cli_average_mismatch_is_one_error_and_writes_nothing(cli, tmp_path):
     assert snapshot(tmp_path) == before
     assert_clean_error(cli("average", a, a, "--weights", "1,-1", "-o", tmp_path / "o.safetensors"), "sum to 0")
     assert_clean_error(cli("average", a, "-o", tmp_path / "o.safetensors"), "at least two")
+
+
+def test_an_output_dtype_overflow_is_one_counted_warning_before_wrote(tmp_path):
+    import subprocess
+    import sys
+
+    save_file({"w": np.array([80000.0, 1.0], np.float32)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": np.array([70000.0, 1.0], np.float32)}, str(tmp_path / "b.safetensors"))
+    out = tmp_path / "c.safetensors"
+    result = subprocess.run([sys.executable, "-m", "treecli", "average", tmp_path / "a.safetensors",
+                             tmp_path / "b.safetensors", "-o", out, "--dtype", "float16"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["treecli: warning: w: non-finite values in the output: 1",
+                                          f"treecli: wrote {out}"]
+
+
+def test_any_library_warning_is_treecli_s_one_line(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from treecli import _summary
+    from treecli.cli import main
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "a.safetensors"))
+    summarize = _summary.summarize
+
+    def warning_summarize(*args, **kwargs):
+        warnings.warn("a library's\nwarning", RuntimeWarning)
+        return summarize(*args, **kwargs)
+
+    monkeypatch.setattr(_summary, "summarize", warning_summarize)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["show", str(tmp_path / "a.safetensors")]) == 0
+    assert capsys.readouterr().err.splitlines() == ["treecli: warning: a library's warning"]

@@ -120,7 +120,7 @@ def test_nonfinite_reads_the_exponent_bits_as_numpy_would_judge(dtype):
 def test_lossy_cast_warns_when_written():
     out, report = edit({"w": np.array([1.0, 1e6], np.float32)}, Edits(cast=["w=float16"]))
     assert materialize(out)["w"][1] == np.inf
-    assert report.warnings == ["w: 1 values fall outside float16's range and became inf"]
+    assert report.warnings == ["w: 1 value falls outside float16's range and became inf"]
 
 
 def test_none_leaves_can_be_addressed_and_replaced_from_a_file(tmp_path):

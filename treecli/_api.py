@@ -120,7 +120,8 @@ def save(
     if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
         native = _pytree.numbers_as_arrays(native)
     metadata = dict(metadata or {})
-    keys = {format_keypath(kp): leaf.key_impl for kp, leaf in _tree.flatten(native) if isinstance(leaf, _pytree.KeyData)}
+    keys = {format_keypath(kp): leaf.key_impl for kp, leaf in _tree.flatten(native)
+            if isinstance(leaf, _pytree.KeyData)}
     if keys:  # (where the format keeps metadata: safetensors)
         metadata.setdefault(PRNG_KEYS_METADATA, json.dumps(keys, sort_keys=True))
     options = WriteOptions(metadata=metadata, max_shard_size=max_shard_size,

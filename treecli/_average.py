@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _diff, _dtypes, _leaf, _tree
 from treecli._bytes import stream
-from treecli._errors import StructureError, UsageError, option
+from treecli._errors import StructureError, UsageError, counted, option
 from treecli._keypath import format_keypath
 
 # Elements per inner step, and per block handed to a thread, with float64 buffers.
@@ -46,7 +46,7 @@ class AverageReport:
     def warnings(self) -> list[str]:
         lines = [f"{kp}: {nan} NaN and {inf} Inf values in {name}"
                  for (kp, name), (nan, inf) in self.nonfinite_inputs.items()]
-        lines += [f"{kp}: {count} non-finite values in the output" for kp, count in self.nonfinite_outputs.items()]
+        lines += [f"{kp}: non-finite values in the output: {count:,}" for kp, count in self.nonfinite_outputs.items()]
         return lines
 
     def notes(self) -> list[str]:
@@ -72,7 +72,7 @@ def parse_weights(text: str | None, count: int) -> list[float]:
     if not all(math.isfinite(w) for w in weights):
         raise UsageError(f"--weights {text!r}: every weight must be a finite number")
     if len(weights) != count:
-        raise UsageError(f"--weights has {len(weights)} values for {count} inputs")
+        raise UsageError(f"--weights has {counted(len(weights), 'value')} for {counted(count, 'input')}")
     return weights
 
 
@@ -153,7 +153,7 @@ def combine_inputs(trees: list[Any], names: list[str], non_float: str,
     data is read."""
     differences = _tree.structure_differences(trees, names)
     if differences:
-        raise StructureError(f"the inputs differ in {len(differences)} leaves", details=differences)
+        raise StructureError(f"the inputs differ in {counted(len(differences), 'leaf', 'leaves')}", details=differences)
     for check in checks:
         check()
     report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
@@ -191,6 +191,9 @@ def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype
     acc_dtype = _dtypes.accumulator(in_dtype)
     out_np = _dtypes.numpy_dtype(_dtypes.name(out_dtype))
     acc_weights = [acc_dtype.type(w) for w in weights]
+    # Finite inputs give finite outputs with convex weights into the inputs' own dtype; an
+    # output dtype of their own or other weights may overflow: counted, and said once a leaf.
+    may_overflow = (not convex or out_np != in_dtype) and out_np != acc_dtype
 
     def fill_chunk(start: int, stop: int, out) -> None:
         # Two threads take SUB_CHUNK blocks in turn (3 x 1 GiB, medians of 5: fp32 1.71 s
@@ -218,8 +221,9 @@ def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype
                     a += t
             if not np.isfinite(a).all():
                 _count_nonfinite_inputs(leaves, start + s, start + e, keypath, names, report)
-            out[s:e] = a  # round to nearest even into the leaf's dtype
-            if not convex and out_np != acc_dtype:
+            with np.errstate(over="ignore"):  # (counted below, never NumPy's warning)
+                out[s:e] = a  # round to nearest even into the leaf's dtype
+            if may_overflow:
                 bad = int(np.count_nonzero(~np.isfinite(out[s:e].astype(acc_dtype))))
                 if bad:
                     with report._lock:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from treecli import _dtypes, _errors, _keypath, _leaf, _tree
-from treecli._errors import KeyPathError, TreecliError, UsageError
+from treecli._errors import KeyPathError, TreecliError, UsageError, counted
 from treecli._keypath import format_keypath
 
 
@@ -283,8 +283,9 @@ def cast_leaf(source, dtype_name, keypath, report):
         # On two threads: the writer, on a third, mostly waits for the cast.
         stream.on_two_threads(fill_part, start, stop, out, step)
         if check and stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
-            report.warnings.append(f"{keypath}: {overflowed[0]} values fall outside {dtype_name}'s range "
-                                   "and became inf")
+            n = overflowed[0]
+            report.warnings.append(f"{keypath}: {counted(n, 'value')} {'falls' if n == 1 else 'fall'} outside "
+                                   f"{dtype_name}'s range and became inf")
 
     return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill, inputs=[source])
 
@@ -356,8 +357,8 @@ def _resolve_one(leaves: dict, text: str, name: str) -> tuple:
         raise UsageError(f"{_errors.option(name, text)} names one leaf; it matches {len(exact)}", keypath=text)
     under = [kp for kp in leaves if _keypath.covers(pattern, kp)]
     if under:
-        raise UsageError(f"{_errors.option(name, text)}: a subtree of {len(under)} leaves, not a leaf; "
-                         f"set each leaf (e.g. {format_keypath(under[0])})", keypath=text)
+        raise UsageError(f"{_errors.option(name, text)}: a subtree of {counted(len(under), 'leaf', 'leaves')}, "
+                         f"not a leaf; set each leaf (e.g. {format_keypath(under[0])})", keypath=text)
     raise _no_match(leaves.items(), text, "no such key path")
 
 

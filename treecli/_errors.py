@@ -25,6 +25,11 @@ def cli_voice() -> Iterator[None]:
         _SPEAKING_CLI.reset(token)
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 leaf``, ``2 leaves``: a count and its noun, agreeing."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def option(name: str, value: Any = True) -> str:
     """An option as the caller wrote it: ``force=True`` from Python, ``--force`` from the shell.
 

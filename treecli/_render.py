@@ -15,6 +15,7 @@ from operator import itemgetter
 from typing import Any, Callable, Iterable, Sequence
 
 from treecli import _summary
+from treecli._errors import counted
 from treecli._escape import quote
 from treecli._keypath import format_key
 from treecli._summary import Node
@@ -342,7 +343,7 @@ def metadata_lines(metadata: dict[str, Any]) -> Iterable[Line]:
 
 def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]]) -> Line:
     arrays = sum(count for _, count, _, _ in totals)
-    return [(quote(file), "bold"), (f"  {fmt} · {arrays} arrays · {human_count(root.params)} params · "
+    return [(quote(file), "bold"), (f"  {fmt} · {counted(arrays, 'array')} · {human_count(root.params)} params · "
                              f"{human_bytes(root.nbytes)}", "")]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from treecli import _diff, _keypath, _leaf, _tree
-from treecli._errors import TreecliError
+from treecli._errors import TreecliError, counted
 from treecli._keypath import format_keypath
 from treecli.formats._base import WriteOptions
 
@@ -44,7 +44,7 @@ def _reference_check(written_path: Path, written: dict[str, Any]) -> list[str]:
             problems.append(f"{file.name}: the safetensors reference cannot open it: {e}")
     ours = {name for name, leaf in written.items() if _leaf.is_array(leaf)}
     if not problems and names != ours:
-        problems.append(f"the safetensors reference reads {len(names)} tensors, treecli {len(ours)}")
+        problems.append(f"the safetensors reference reads {counted(len(names), 'tensor')}, treecli {len(ours)}")
     return problems
 
 

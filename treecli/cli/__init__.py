@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     if args[0] in ("--show-completion", "--install-completion"):
         return _completion(args)
-    with _gc.paused(), _terminating_signals_raise():
+    with _gc.paused(), _terminating_signals_raise(), _warnings_as_lines():
         try:
             return _run_app(args)
         except _Terminated as e:
@@ -188,6 +188,26 @@ def _run_app(args: list[str]) -> int:
             raise
         _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
         return ExitStatus.ERROR
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """A Python warning from any library (NumPy's overflow in a cast, a deprecation) is
+    treecli's one ``warning:`` line, never a file name and a source line. Which warnings
+    show is left to the filters (tests turn them into errors)."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        from treecli._escape import visible
+
+        with contextlib.suppress(OSError):
+            sys.stderr.write(visible(f"treecli: warning: {' '.join(str(message).splitlines())}") + "\n")
+
+    shown, warnings.showwarning = warnings.showwarning, show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _print_error(headline: str, details: list[str] = ()) -> None:

@@ -206,8 +206,8 @@ def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOpti
                          file=url)
     target = url.rstrip("/")
     for c in inputs:
-        source = c.file if isinstance(c, Checkpoint) else str(c)  # (a URL a lazy leaf reads, or a local file)
-        if source.rstrip("/") == target or source.startswith(target + "/") or target.startswith(source.rstrip("/") + "/"):
+        source = (c.file if isinstance(c, Checkpoint) else str(c)).rstrip("/")  # (or a URL a lazy leaf reads)
+        if source == target or source.startswith(target + "/") or target.startswith(source + "/"):
             raise UsageError(f"output would overwrite the input {source}; write to another URL", file=url)
     fmt.write_remote(tree, url, options, replace=force)
 

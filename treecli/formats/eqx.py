@@ -24,7 +24,7 @@ from typing import Any
 from treecli import _dtypes, _leaf, _pytree, _tree
 from treecli._bytes import stream
 from treecli._bytes.local import FileReader, identity, open_regular
-from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, option
+from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, counted, option
 from treecli._keypath import KeyPath, format_keypath
 from treecli.formats import _npy
 from treecli.formats._base import Checkpoint, WriteOptions
@@ -85,8 +85,9 @@ def _open(path: Path, like: _pytree.Structure | None) -> Checkpoint:
     checkpoint = Checkpoint(tree=leaves if like is None else _named(leaves, like, file), format="eqx", file=file)
     checkpoint._closers.append(reader.close)
     if like is None and path.suffix == ".eqx":
-        checkpoint.warnings.append("an .eqx file stores leaves without names: they are shown as [0], [1], ... in "
-                                   "the model's own order (name them with --like MODULE:ATTR, the model's code)")
+        checkpoint.warnings.append("an .eqx file stores leaves without names: they are shown by position, 0, 1, "
+                                   "..., in the model's own order (name them with --like MODULE:ATTR, the model's "
+                                   "code)")
     return checkpoint
 
 
@@ -100,7 +101,8 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
     name = os.path.basename(file)
     lines = []
     if len(records) != len(expected):
-        lines.append(f"{name} holds {len(records)} records; the template has {len(expected)} array leaves")
+        lines.append(f"{name} holds {counted(len(records), 'record')}; the template has "
+                     f"{counted(len(expected), 'array leaf', 'array leaves')}")
     named = {}
     for i, (record, (keypath, leaf)) in enumerate(zip(records, expected)):
         dtype = getattr(leaf, "dtype", None)
@@ -145,7 +147,8 @@ def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _lea
             raise TreecliError(f".eqx files hold arrays only, not {len(unsupported)} of these leaves (use "
                                f"{option('drop_unsupported')} to drop them)", file=file, details=unsupported)
         if options.warn:
-            options.warn(f"dropped {len(unsupported)} leaves an .eqx file cannot hold: {', '.join(unsupported[:20])}")
+            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} an .eqx file cannot hold: "
+                         f"{', '.join(unsupported[:20])}")
     arrays = {format_keypath(kp): _leaf.as_leaf(x) for kp, x in leaves.items() if _leaf.is_array(x)}
     if options.like is None:
         texts = [format_keypath(kp) for kp in _jax_order(tree)]

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from treecli import _dtypes, _leaf, _memory
 from treecli._bytes import stream
 from treecli._bytes.local import FileReader, identity, open_regular
-from treecli._errors import FormatError, RefusedError, TreecliError, option
+from treecli._errors import FormatError, RefusedError, TreecliError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy, _zip
 from treecli.formats._base import Checkpoint, WriteOptions
@@ -322,7 +322,8 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
                                f"{option('drop_unsupported')} to "
                                "drop them)", file=str(target), details=unsupported)
         if options.warn:
-            options.warn(f"dropped {len(unsupported)} leaves npz cannot hold: {', '.join(unsupported[:20])}")
+            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} npz cannot hold: "
+                         f"{', '.join(unsupported[:20])}")
     if not entries:
         raise TreecliError("npz output would hold no arrays (a zip without .npy members is no npz treecli "
                            "reads); write safetensors or msgpack instead", file=str(target))

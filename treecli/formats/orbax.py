@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from treecli import _leaf, _memory, _tree
-from treecli._errors import FormatError, TreecliError, UsageError, in_cli, option
+from treecli._errors import FormatError, TreecliError, UsageError, counted, in_cli, option
 from treecli._keypath import format_keypath
 from treecli._bytes.local import refuse_special
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
@@ -562,6 +562,6 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
         raise TreecliError(f"Orbax cannot hold {len(listed)} {'leaf' if len(listed) == 1 else 'leaves'} (use "
                            f"{option('drop_unsupported')} to drop them)", file=file, details=listed)
     if options.warn:
-        options.warn(f"dropped {len(listed)} leaves Orbax cannot hold: {', '.join(listed[:20])}")
+        options.warn(f"dropped {counted(len(listed), 'leaf', 'leaves')} Orbax cannot hold: {', '.join(listed[:20])}")
     dropped = {kp for kp, _ in unsupported}
     return _tree.unflatten([(kp, x) for kp, x in items if kp not in dropped], template=tree)

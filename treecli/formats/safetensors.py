@@ -22,7 +22,7 @@ from typing import Annotated, Any, Callable, Literal
 from treecli import _atomic, _dtypes, _gc, _leaf
 from treecli._bytes import stream
 from treecli._bytes.local import FileReader, identity, open_regular, read_text
-from treecli._errors import FormatError, NotDurableError, TreecliError, option
+from treecli._errors import FormatError, NotDurableError, TreecliError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Origin, WriteOptions
@@ -681,8 +681,8 @@ def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tu
                 file=file, details=unsupported,
             )
         if options.warn:
-            options.warn(f"dropped {len(unsupported)} {'leaf' if len(unsupported) == 1 else 'leaves'} safetensors "
-                         f"cannot hold: {', '.join(unsupported[:20])}")
+            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} safetensors cannot hold: "
+                         f"{', '.join(unsupported[:20])}")
     return entries
 
 
