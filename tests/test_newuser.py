@@ -2,6 +2,7 @@
 and shells, an honest boundary."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,3 +310,24 @@ def test_key_paths_complete_one_level_at_a_time():
     assert _complete("treecli get examples/tiny.safetensors model.n") == ["model.norm.weight"]
     assert len(_complete("treecli get examples/tiny.safetensors model.layers.0.")) == 3
     assert _complete("treecli edit examples/tiny.safetensors --scale model.norm.weight=") == []
+
+
+@pytest.mark.parametrize("source", ["examples/tiny.npz", "m.msgpack"])
+def test_a_file_format_written_to_a_name_without_extension_suggests_a_directory_format(tmp_path, source):
+    import treecli
+
+    path = Path(__file__).parent.parent / source if source.startswith("examples") else tmp_path / source
+    if not path.exists():
+        treecli.save({"w": np.ones(2, np.float32)}, path)
+    result = run_cli("convert", path, tmp_path / "some_dir")
+    assert_clean_error(result, "--format 'orbax'", "--format 'safetensors'", "some_dir.")
+    assert not (tmp_path / "some_dir").exists()
+
+
+def test_a_file_sliced_to_a_name_without_extension_says_it_became_a_directory(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("slice", Path(__file__).parent.parent / "examples/tiny.safetensors", "--index", "0", "-o", out)
+    assert result.code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "no extension, so it is an HF safetensors directory" in lines[0] and "out.safetensors" in lines[0]
+    assert lines[-1] == f"treecli: wrote {out}" and (out / "model.safetensors").is_file()

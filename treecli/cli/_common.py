@@ -58,11 +58,16 @@ def write_output(
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
     from treecli import _tree
-    from treecli.formats import is_url, save_in_place
+    from treecli.formats import is_url, output_format, save_in_place
     from treecli.formats.safetensors import parse_size
 
+    guessed_directory = None
     if target is not None and not is_url(target):
         target = Path(target)
+        fmt, is_dir = output_format(target, format, source.format)
+        if is_dir and format is None and max_shard_size is None and not target.exists() and not is_url(source.file) \
+                and Path(source.file).is_file():
+            guessed_directory = fmt  # a file in, a new directory out: maybe not what was meant; said once written
     total = _tree.array_bytes(tree)
     name = Path(source.file).name if in_place else str(target).rstrip("/").rsplit("/", 1)[-1]
     with out.progress(f"writing {name}", total) as advance:
@@ -80,6 +85,10 @@ def write_output(
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify)
+    if guessed_directory is not None:
+        kind = "an HF safetensors directory" if guessed_directory.name == "safetensors" else "an Orbax checkpoint"
+        out.note(f"the output's name has no extension, so it is {kind} (for one file, name it "
+                 f"{target.name}{guessed_directory.extensions[0]})")
     return target
 
 

@@ -62,6 +62,9 @@ def detect(path: Path) -> Any:
     raise FormatError(f"not a checkpoint treecli can read ({kind}; {'; '.join(reasons)})", file=str(path))
 
 
+# Formats whose checkpoints are directories when written: an HF safetensors directory, an Orbax checkpoint.
+DIRECTORY_FORMATS = ("safetensors", "orbax")
+
 URL_SCHEMES = ("http://", "https://", "hf://", "s3://", "gs://")  # read by byte ranges (_remote)
 BUCKET_SCHEMES = ("s3://", "gs://")  # written too
 
@@ -154,6 +157,12 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
         raise UsageError(f"treecli does not write {foreign} files{hint}; it writes {WRITES}", file=str(target))
     if input_format is None:
         raise UsageError(f"cannot tell the output format from the name; add {option('format', 'FORMAT')}",
+                         file=str(target))
+    if input_format not in DIRECTORY_FORMATS:
+        extension = _written(get(input_format))[0] if _written(get(input_format)) else ".safetensors"
+        raise UsageError(f"a name without an extension is a directory, and {input_format} checkpoints are files: "
+                         f"name a file ({target.name}{extension}) or write a directory with "
+                         f"{option('format', 'orbax')} or {option('format', 'safetensors')} (an HF directory)",
                          file=str(target))
     return get(input_format), True
 
