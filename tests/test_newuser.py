@@ -331,3 +331,16 @@ def test_a_file_sliced_to_a_name_without_extension_says_it_became_a_directory(tm
     lines = result.stderr.splitlines()
     assert "no extension, so it is an HF safetensors directory" in lines[0] and "out.safetensors" in lines[0]
     assert lines[-1] == f"treecli: wrote {out}" and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("view", [[], ["--flat"], ["--depth", "2"]])
+def test_a_narrow_terminal_leaves_columns_out_and_says_so_never_cropping_cells(monkeypatch, view):
+    _on_a_terminal(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "56")
+    result = run_cli("show", Path(__file__).parent.parent / "examples/tiny.safetensors", *view)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 56 and "…" not in line for line in lines), result.stdout
+    said = " ".join(line for line in lines if line.startswith("(left out") or "all in --json)" in line)
+    assert said.startswith("(left out to fit: ") and said.endswith("all in --json)"), result.stdout
+    assert "19 arrays" in result.stdout and "31.3 KiB" in result.stdout  # the headline, wrapped

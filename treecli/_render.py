@@ -11,7 +11,7 @@ User strings are never parsed as Rich markup (key paths contain ``[``).
 from __future__ import annotations
 
 import itertools
-from operator import itemgetter
+import textwrap
 from typing import Any, Callable, Iterable, Sequence
 
 from treecli import _summary
@@ -65,7 +65,9 @@ def fit_columns(header: list[str], rows: list[Sequence[Any]], width: int,
         dropped.append(name)
     if not dropped:
         return header, rows, []
-    pick = itemgetter(*keep)
+    def pick(row: Sequence[Any]) -> tuple:
+        return tuple(row[i] for i in keep)
+
     return list(pick(header)), [pick(r) for r in rows], dropped
 
 
@@ -308,36 +310,56 @@ def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> 
                         stats, width)
 
 
-# With --stats on a narrow terminal, these go first (in this order) so that what is left
-# fits whole instead of every column cropped to "…".
+# On a narrow terminal these go first (in this order), and a line says which, so that
+# what is left fits whole instead of every row cropped to "…".
 _LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
 
 
 def _stats_table(header: list[str], firsts: list[Any], other_cells: list[list[str]], stats: bool,
                  width: int | None) -> Iterable[Line]:
-    """The table of ``show``'s rows (``keyed_table``'s two columns); with stats on a terminal,
-    fitted to its width."""
+    """The table of ``show``'s rows (``keyed_table``'s two columns); on a terminal (``width``),
+    fitted to its width, saying what was left out."""
     right_aligned = {header[i] for i in _right(stats)}
     dropped: list[str] = []
-    if stats and width:
+    if width:
         header, whole, dropped = fit_columns(header, [(first, *cells) for first, cells in zip(firsts, other_cells)],
                                              width, _LEAST_USEFUL)
         firsts, other_cells = [row[0] for row in whole], [row[1:] for row in whole]
     lines = keyed_table(header, firsts, other_cells, {i for i, name in enumerate(header) if name in right_aligned})
-    return itertools.chain(lines, [f"(left out to fit: {', '.join(dropped)}; all in --json)"] if dropped else [])
+    return itertools.chain(lines, _left_out(dropped, width))
 
 
-def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]]) -> Iterable[Line]:
-    """Totals by dtype (``_summary.dtype_totals``), for the bottom of ``show``."""
+def _left_out(dropped: list[str], width: int | None) -> list[str]:
+    """The line (wrapped to ``width``) that says which columns were left out to fit, if any."""
+    if not dropped:
+        return []
+    said = f"(left out to fit: {', '.join(dropped)}; all in --json)"
+    return textwrap.wrap(said, width, break_on_hyphens=False) if width else [said]
+
+
+def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]], width: int | None = None) -> Iterable[Line]:
+    """Totals by dtype (``_summary.dtype_totals``), for the bottom of ``show``; on a terminal
+    (``width``), columns left out to fit it, as in the tree above."""
     rows = [[dtype, str(count), human_count(params), human_bytes(nbytes)] for dtype, count, params, nbytes in totals]
     if len(totals) > 1:
         rows.append([[("total", "bold")], str(sum(r[1] for r in totals)), human_count(root.params),
                      human_bytes(root.nbytes)])
-    return table(["dtype", "arrays", "params", "size"], rows, {1, 2, 3})
+    header = ["dtype", "arrays", "params", "size"]
+    dropped: list[str] = []
+    if width:
+        header, rows, dropped = fit_columns(header, rows, width, ["params", "size", "arrays"])
+    lines = table(header, rows, {i for i, name in enumerate(header) if name != "dtype"})
+    return itertools.chain(lines, _left_out(dropped, width))
 
 
-def metadata_lines(metadata: dict[str, Any]) -> Iterable[Line]:
+def metadata_lines(metadata: dict[str, Any], width: int | None = None) -> Iterable[Line]:
+    """The metadata as a two-column table; on a terminal (``width``), a value too long for
+    it goes on over the lines below, in its column."""
     rows = [[quote(str(k)), quote(v) if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
+    room = width - max(len("metadata"), *(len(k) for k, _ in rows)) - 2 if width and rows else 0
+    if room >= 16:
+        rows = [[key if i == 0 else "", value[start:start + room]]
+                for key, value in rows for i, start in enumerate(range(0, max(len(value), 1), room))]
     return table(["metadata", "value"], rows)
 
 
@@ -356,18 +378,35 @@ def info_lines(info: dict[str, Any]) -> Iterable[Line]:
     return lines
 
 
+def _joined_to_fit(parts: list[str], separator: str, width: int) -> list[str]:
+    """``parts`` joined by ``separator`` into as few lines of at most ``width`` as they go."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(separator) + len(part) <= width:
+            lines[-1] += separator + part
+        else:
+            lines.append(part)
+    return lines
+
+
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
                flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False,
                width: int | None = None) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
-    parts: list[Iterable[Line]] = [[headline(file, fmt, root, totals)], info_lines(info), [[]]]
+    head = headline(file, fmt, root, totals)
+    if width and sum(len(text) for text, _ in head) > width:  # the file on a line, the totals below it
+        totals_text = head[1][0].strip().split(" · ")
+        head_lines = [[head[0]]] + [[(line, "")] for line in _joined_to_fit(totals_text, " · ", width)]
+    else:
+        head_lines = [head]
+    parts: list[Iterable[Line]] = [head_lines, info_lines(info), [[]]]
     parts.append(flat_lines(root, stats=stats, width=width) if flat else
                  tree_lines(root, depth=depth, stats=stats, plain=plain, fold=fold, width=width))
     if root.num_leaves:
-        parts += [[[]], dtype_lines(root, totals)]
+        parts += [[[]], dtype_lines(root, totals, width)]
     if metadata:
-        parts += [[[]], metadata_lines(metadata)]
+        parts += [[[]], metadata_lines(metadata, width)]
     return itertools.chain.from_iterable(parts)
 
 
