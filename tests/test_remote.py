@@ -450,3 +450,12 @@ def test_a_server_without_validators_is_read_when_the_user_says_so(server, tmp_p
     result = cli("convert", f"{server.url}/m.safetensors", tmp_path / "out.safetensors")
     assert result.code == 0, result.stderr
     assert np.asarray(treecli.load(tmp_path / "out.safetensors")["b"]).tolist() == tensors["b"].tolist()
+
+
+def test_show_of_an_orbax_checkpoint_over_http_fetches_each_object_once(orbax_run, server, cli):
+    _serve_tree(server, orbax_run / "run", "/org/run/resolve/main")
+    result = cli("get", "hf://org/run", "state.params.w", "--step", "20", "--json")
+    assert result.code == 0, result.stderr
+    fetched = server.requests  # (path, Range): an OCDBT data file's arrays are ranges of one object
+    repeated = {request: fetched.count(request) for request in fetched if fetched.count(request) > 1}
+    assert not repeated, repeated

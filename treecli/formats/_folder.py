@@ -119,14 +119,15 @@ class HttpFolder:
 
     listable = False
 
-    def __init__(self, url: str, base: str, headers: dict[str, str]):
+    def __init__(self, url: str, base: str, headers: dict[str, str], texts: dict[str, str | None] | None = None):
         self.name = url.rstrip("/")
         self._base = base if base.endswith("/") else base + "/"
         self._headers = headers
-        self._texts: dict[str, str | None] = {}
+        self._texts = {} if texts is None else texts  # by URL, shared with its children: each fetched once
 
     def child(self, name: str) -> "HttpFolder":
-        return HttpFolder(f"{self.name}/{name}", self._base + urllib.parse.quote(name) + "/", self._headers)
+        return HttpFolder(f"{self.name}/{name}", self._base + urllib.parse.quote(name) + "/", self._headers,
+                          self._texts)
 
     def is_file(self, name: str) -> bool:
         return self._text(name) is not None
@@ -156,14 +157,14 @@ class HttpFolder:
         return _relative_inside(name)
 
     def _text(self, name: str) -> str | None:
-        if name not in self._texts:
+        url = self._base + urllib.parse.quote(name)
+        if url not in self._texts:
             from treecli._bytes import small_text
             from treecli._bytes.http import get_small
 
             shown = f"{self.name}/{name}"
-            body = get_small(self._base + urllib.parse.quote(name), self._headers, shown, MAX_TEXT_BYTES)
-            self._texts[name] = small_text(body, MAX_TEXT_BYTES, shown)
-        return self._texts[name]
+            self._texts[url] = small_text(get_small(url, self._headers, shown, MAX_TEXT_BYTES), MAX_TEXT_BYTES, shown)
+        return self._texts[url]
 
 
 def _relative_inside(name: str) -> str | None:

@@ -35,6 +35,7 @@ _AGGREGATE = "checkpoint"
 _PLACEHOLDER = "PLACEHOLDER://"
 _MEMORY_FACTOR = 4
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
+METADATA_CACHE_BYTES = 16 << 20  # OCDBT manifests and B-tree nodes, shared by a checkpoint's arrays
 
 
 class _Format:
@@ -297,13 +298,20 @@ def _open_arrays(directory: Folder, names: dict[tuple, str], *, use_ocdbt: bool,
     import tensorstore as ts
 
     driver = "zarr3" if use_zarr3 else "zarr"
+    # One context for the checkpoint's arrays: they share one OCDBT database, its manifest and
+    # B-tree nodes read once and kept in a small cache (each array alone re-read them).
+    context = ts.Context({"cache_pool": {"total_bytes_limit": METADATA_CACHE_BYTES}})
     futures = {}
     for keypath, name in names.items():
         if use_ocdbt:
             kvstore = {"driver": "ocdbt", "base": directory.kvstore(), "path": name}
         else:
             kvstore = directory.kvstore(_inside(directory, name, keypath))
-        futures[keypath] = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True)
+        # What was read once is used as it is (never revalidated): a committed checkpoint does
+        # not change, the manifest read first pins one version of an OCDBT database, and
+        # revalidating cost a request for the manifest per array read.
+        futures[keypath] = ts.open({"driver": driver, "kvstore": kvstore, "recheck_cached_data": False,
+                                    "recheck_cached_metadata": False}, open=True, read=True, context=context)
     stores = {}
     for keypath, future in futures.items():
         try:
