@@ -459,3 +459,18 @@ def test_show_of_an_orbax_checkpoint_over_http_fetches_each_object_once(orbax_ru
     fetched = server.requests  # (path, Range): an OCDBT data file's arrays are ranges of one object
     repeated = {request: fetched.count(request) for request in fetched if fetched.count(request) > 1}
     assert not repeated, repeated
+
+
+def test_an_orbax_checkpoint_read_through_redirects_keeps_the_token_at_the_hub(orbax_run, server, cdn, cli,
+                                                                                 monkeypatch):
+    """Its metadata files go through treecli's GET, its arrays through TensorStore's HTTP
+    driver (which does not follow redirects: a clean error, noted in the README); neither
+    sends the token to the other origin."""
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    _serve_tree(cdn, orbax_run / "run" / "20", "/blob")
+    for path in list(cdn.files):
+        server.redirects[f"/org/run/resolve/main/20{path[len('/blob'):]}"] = f"{cdn.url}{path}"
+    result = cli("get", "hf://org/run/20", "state.params.w", "--json")
+    assert cdn.requests and all(auth is None for _, auth in cdn.authorizations), cdn.authorizations
+    assert any(auth == "Bearer secret" for _, auth in server.authorizations)
+    assert result.code == 0 or (result.code == 2 and result.stderr.startswith("treecli: error: ")), result.stderr
