@@ -46,7 +46,7 @@ class AverageReport:
     def warnings(self) -> list[str]:
         lines = [f"{kp}: {nan} NaN and {inf} Inf values in {name}"
                  for (kp, name), (nan, inf) in self.nonfinite_inputs.items()]
-        lines += [f"{kp}: non-finite values in the output: {count:,}" for kp, count in self.nonfinite_outputs.items()]
+        lines += [f"{kp}: non-finite values in the output: {count}" for kp, count in self.nonfinite_outputs.items()]
         return lines
 
     def notes(self) -> list[str]:

@@ -27,7 +27,7 @@ def cli_voice() -> Iterator[None]:
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``1 leaf``, ``2 leaves``: a count and its noun, agreeing."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def option(name: str, value: Any = True) -> str:
