@@ -35,6 +35,7 @@ class Server(http.server.ThreadingHTTPServer):
         self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
         self.validators = True  # send an ETag
         self.drip = 0.0  # when set, send a body a byte at a time, this many seconds apart
+        self.drip_paths = ""  # ... only of paths that contain this
         self.on_request = None  # called with the request's number (from 1) before it is answered
         self.lock = threading.Lock()
 
@@ -114,7 +115,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with server.lock:
             server.bytes_served += len(sent)
         try:
-            if server.drip:
+            if server.drip and server.drip_paths in self.path:
                 for i in range(len(sent)):
                     self.wfile.write(sent[i : i + 1])
                     self.wfile.flush()
@@ -474,3 +475,34 @@ def test_an_orbax_checkpoint_read_through_redirects_keeps_the_token_at_the_hub(o
     assert cdn.requests and all(auth is None for _, auth in cdn.authorizations), cdn.authorizations
     assert any(auth == "Bearer secret" for _, auth in server.authorizations)
     assert result.code == 0 or (result.code == 2 and result.stderr.startswith("treecli: error: ")), result.stderr
+
+
+DRIPPING_ORBAX = """
+import sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from tests.test_remote import Server, _serve_tree
+server = Server()
+threading.Thread(target=server.serve_forever, daemon=True).start()
+_serve_tree(server, Path(sys.argv[2]), "/ckpt")
+server.drip, server.drip_paths = 0.05, "/d/"  # the arrays' data files only
+from treecli.cli import main
+sys.exit(main(["get", f"{server.url}/ckpt/20/state", "params.w", "--json"]))
+"""
+
+
+def test_orbax_arrays_from_a_dripping_server_end_within_the_deadline(orbax_run, tmp_path):
+    """The arrays are read by TensorStore's HTTP transport, held to TREECLI_HTTP_DEADLINE too."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TREECLI_HTTP_DEADLINE": "2", "no_proxy": "127.0.0.1"}
+    env = {k: v for k, v in env.items() if not k.startswith("TENSORSTORE_CURL")}
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", DRIPPING_ORBAX, str(Path(__file__).parent.parent),
+                             str(orbax_run / "run")], capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("treecli: error: ") and "Traceback" not in result.stderr
+    assert elapsed < 40, elapsed  # a few deadlines (TensorStore retries too), never a quarter of an hour

@@ -219,6 +219,26 @@ def deadline(nbytes: int) -> float:
     return _setting("TREECLI_HTTP_DEADLINE", DEADLINE_S) + nbytes / _setting("TREECLI_HTTP_MIN_RATE", MIN_RATE)
 
 
+def tensorstore_deadlines() -> None:
+    """TensorStore's HTTP transport (buckets, and Orbax arrays over HTTP) held to the same
+    settings: a transfer below ``TREECLI_HTTP_MIN_RATE`` for ``TREECLI_HTTP_DEADLINE`` seconds
+    is abandoned (curl's low-speed limit, which TensorStore reads from its environment when
+    it first makes a request). ``TENSORSTORE_CURL_*`` variables a user set win."""
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+                          str(max(1, round(_setting("TREECLI_HTTP_DEADLINE", DEADLINE_S)))))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+                          str(max(1, int(_setting("TREECLI_HTTP_MIN_RATE", MIN_RATE)))))
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(TIMEOUT_S))
+
+
+def tensorstore_retries() -> dict[str, Any]:
+    """TensorStore's retries of HTTP and bucket requests as treecli's own (``RETRIES`` tries,
+    backoff up to 2 s): its default, 32 tries with up to 32 s between, made a stuck server
+    a quarter of an hour."""
+    policy = {"max_retries": RETRIES, "initial_delay": "0.1s", "max_delay": "2s"}
+    return {f"{kind}_request_retries": policy for kind in ("http", "s3", "gcs")}
+
+
 def _setting(name: str, default: float) -> float:
     text = os.environ.get(name)
     if not text:

@@ -40,8 +40,12 @@ def split_url(url: str) -> tuple[str, str, str]:
 def spec(scheme: str, bucket: str, path: str = "") -> dict[str, Any]:
     """The TensorStore kvstore spec of a bucket (and a key prefix in it), from the
     standard environment variables of its cloud."""
+    from treecli._bytes.http import tensorstore_deadlines, tensorstore_retries
+
+    tensorstore_deadlines()
+    retries = {"context": {name: policy for name, policy in tensorstore_retries().items() if name.startswith(scheme)}}
     if scheme == "s3":
-        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
+        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path, **retries}
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if endpoint:
@@ -55,7 +59,7 @@ def spec(scheme: str, bucket: str, path: str = "") -> dict[str, Any]:
     if emulator:  # the variable Google's clients read; TensorStore reads its own
         os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL",
                               emulator if "://" in emulator else f"http://{emulator}")
-    return {"driver": "gcs", "bucket": bucket, "path": path}
+    return {"driver": "gcs", "bucket": bucket, "path": path, **retries}
 
 
 def open_store(url: str) -> tuple[Any, str]:

@@ -149,6 +149,9 @@ class HttpFolder:
         return text
 
     def kvstore(self, name: str = "") -> dict[str, Any]:
+        from treecli._bytes.http import tensorstore_deadlines
+
+        tensorstore_deadlines()
         url = self._base + (urllib.parse.quote(name.rstrip("/")) + "/" if name else "")
         return {"driver": "http", "base_url": url,
                 "headers": [f"{k}: {v}" for k, v in self._headers.items() if k == "Authorization"]}

@@ -297,10 +297,12 @@ def _open_arrays(directory: Folder, names: dict[tuple, str], *, use_ocdbt: bool,
     key path to the name its array is stored under."""
     import tensorstore as ts
 
+    from treecli._bytes import http as retries
+
     driver = "zarr3" if use_zarr3 else "zarr"
     # One context for the checkpoint's arrays: they share one OCDBT database, its manifest and
     # B-tree nodes read once and kept in a small cache (each array alone re-read them).
-    context = ts.Context({"cache_pool": {"total_bytes_limit": METADATA_CACHE_BYTES}})
+    context = ts.Context({"cache_pool": {"total_bytes_limit": METADATA_CACHE_BYTES}, **retries.tensorstore_retries()})
     futures = {}
     for keypath, name in names.items():
         if use_ocdbt:
