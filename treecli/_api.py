@@ -117,7 +117,7 @@ def save(
     """
     native, structure = _pytree.to_native(tree)
     fmt, _ = output_format(Path(path), format, None)
-    if not getattr(fmt, "holds_numbers", False):  # TrainState.step = 0 in safetensors: a 0-d int64
+    if not fmt.holds_numbers:  # TrainState.step = 0 in safetensors: a 0-d int64
         native = _pytree.numbers_as_arrays(native)
     metadata = dict(metadata or {})
     keys = {format_keypath(kp): leaf.key_impl for kp, leaf in _tree.flatten(native)

@@ -18,34 +18,11 @@ from treecli import _summary
 from treecli._errors import counted
 from treecli._escape import quote
 from treecli._keypath import format_key
+from treecli._units import human_bytes, human_count
 from treecli._summary import Node
 
 Segment = tuple[str, str]  # (text, Rich style)
 Line = str | list[Segment]  # a str is an unstyled line
-
-
-def human_bytes(n: int) -> str:
-    """``1.2 GiB``; exact below 1 KiB."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError
-
-
-def human_count(n: int) -> str:
-    """``7.0 B`` (billions), ``139.6 K``; exact below 1000."""
-    if n < 1000:
-        return str(n)
-    value = float(n)
-    for unit in ("K", "M", "B", "T"):
-        value /= 1000
-        if value < 1000 or unit == "T":
-            return f"{value:.1f} {unit}"
-    raise AssertionError
 
 
 def fit_columns(header: list[str], rows: list[Sequence[Any]], width: int,

@@ -15,50 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from treecli import _diff, _keypath, _leaf, _tree
-from treecli._errors import TreecliError, counted
+from treecli._errors import TreecliError
 from treecli._keypath import format_keypath
-from treecli.formats._base import WriteOptions
-
-
-def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
-    """``{stored name: leaf}``: what a writer with this separator names each leaf."""
-    if separator is None:
-        return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree)}
-    return {separator.join(str(k) for k in kp): leaf for kp, leaf in _tree.flatten(tree)}
-
-
-def _reference_check(written_path: Path, written: dict[str, Any]) -> list[str]:
-    """A safetensors output must also open with the reference's own parser
-    (``safetensors.safe_open``), naming the tensors treecli's reader found (``written``,
-    by stored name)."""
-    from safetensors import safe_open
-
-    files = sorted(written_path.glob("*.safetensors")) if written_path.is_dir() else [written_path]
-    names: set[str] = set()
-    problems = []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as reader:
-                names.update(reader.keys())
-        except Exception as e:  # the reference's own error types
-            problems.append(f"{file.name}: the safetensors reference cannot open it: {e}")
-    ours = {name for name, leaf in written.items() if _leaf.is_array(leaf)}
-    if not problems and names != ours:
-        problems.append(f"the safetensors reference reads {counted(len(names), 'tensor')}, treecli {len(ours)}")
-    return problems
-
-
-def _expected_and_written(tree: Any, written: Any, fmt: Any, like: Any) -> tuple[dict, dict]:
-    """Both sides by stored name; an ``.eqx`` file stores no names, so record *i* is
-    named after the *i*-th leaf the writer took (in the model's order)."""
-    if fmt.name != "eqx":
-        return stored_names(tree, fmt.separator), stored_names(written, fmt.separator)
-    from treecli.formats import eqx
-
-    taken = eqx.records(tree, WriteOptions(drop_unsupported=True, like=like), "")
-    names = [f"[{i}] {text}" for i, (text, _) in enumerate(taken)]
-    return (dict(zip(names, (leaf for _, leaf in taken))),
-            {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
 
 
 def _in_order(names: set[str]) -> list[str]:
@@ -101,15 +59,14 @@ class Verifier:
         total = 2 * _tree.array_bytes(self._tree)
         with open_checkpoint(written_path, self._fmt.name) as written, \
                 (self._progress("verifying", total) if self._progress else contextlib.nullcontext(None)) as advance:
-            expected, written_names = _expected_and_written(self._tree, written.tree, self._fmt, self._like)
+            expected, written_names = self._fmt.stored_leaves(self._tree, written.tree, self._like)
             problems = self._check_digests(expected, written_names, advance)
             # Names on one side only are found by set, and diff compares the leaves on both sides that
             # no digest checked (with an equal marker for each of 200k checked leaves, it took 3.5 s).
             unchecked = [k for k, v in expected.items() if k in written_names and self._digest(v) is None]
             changed = _diff.diff({k: expected[k] for k in unchecked}, {k: written_names[k] for k in unchecked},
                                  progress=advance).changed if unchecked else []
-        if self._fmt.name == "safetensors":
-            problems += _reference_check(written_path, written_names)
+        problems += self._fmt.reference_problems(written_path, written_names)
         problems += [f"only in the output: {_shown(k)}" for k in _in_order(written_names.keys() - expected.keys())]
         if not self._dropped_allowed:
             problems += [f"missing from the output: {_shown(k)}"

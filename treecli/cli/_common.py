@@ -59,7 +59,7 @@ def write_output(
     """
     from treecli import _tree
     from treecli.formats import is_url, output_format, save_in_place
-    from treecli.formats.safetensors import parse_size
+    from treecli._units import parse_size
 
     guessed_directory = None
     if target is not None and not is_url(target):

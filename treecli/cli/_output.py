@@ -138,7 +138,7 @@ def _BinarySpeedColumn():
     from rich.progress import ProgressColumn
     from rich.text import Text
 
-    from treecli._render import human_bytes
+    from treecli._units import human_bytes
 
     class Speed(ProgressColumn):
         def render(self, task: Any) -> Any:

@@ -54,7 +54,7 @@ def get(
             return
         leaf = _leaf.as_leaf(node)
         if output is not None:
-            _write_npy(leaf, output, force, keypath, ckpt)
+            _write_npy(out, leaf, output, force, keypath, ckpt)
             out.note(f"wrote {output}")
             return
         if json:
@@ -65,20 +65,14 @@ def get(
         out.print(_summary.array_text(leaf))
 
 
-def _write_npy(leaf, path: Path, force: bool, keypath: str, source) -> None:
-    """A .npy file, streamed chunk by chunk through the atomic writer."""
-    from treecli import _atomic
-    from treecli._bytes import stream
+def _write_npy(out, leaf, path: Path, force: bool, keypath: str, source) -> None:
+    """One leaf saved as a .npy file, as every output is saved (atomic, checked, verified)."""
     from treecli._errors import UsageError
-    from treecli.formats import _npy, _outputs
+    from treecli._verify import Verifier
+    from treecli.formats import get as get_format, save
 
     if not path.name.endswith(".npy"):
         raise UsageError("get -o writes one leaf as a .npy file; name it *.npy (for a checkpoint of some leaves: "
                          "treecli edit CKPT --delete ... -o out.safetensors)", file=str(path), keypath=keypath)
-    if leaf.dtype.kind == "V" or leaf.dtype.name.startswith(("bfloat", "float8", "float4", "float6")):
-        raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
-                         "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",
-                         file=str(path), keypath=keypath)
-    _outputs.check_target(path, _outputs.sources_of([source]), force=force)
-    with _atomic.atomic_file(path) as tmp, open(tmp, "wb") as f:
-        _npy.write(f, leaf, _npy.header(leaf), file=str(path), keypath=keypath, writeback=stream.Writeback(f))
+    save(leaf, path, format="npy", inputs=[source], force=force,
+         verify=Verifier(leaf, get_format("npy"), dropped_allowed=False, progress=out.progress))

@@ -1,13 +1,15 @@
 """The format registry: pick a format for a file, open it, write a tree.
 
-Formats are modules named in ``FORMATS``, imported only when needed (so that
-opening a safetensors file never imports orbax). To add a format, write a
-module with a ``FORMAT`` object (see ``_base.py``) and add its name here.
+Each format is a subclass of :class:`~treecli.formats._base.Format` in a module of
+its own, listed in ``FORMATS`` and imported only when needed (so that opening a
+safetensors file never imports orbax). To add a format, write that module and add
+one line here (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import urllib.parse
 from pathlib import Path, PurePosixPath
@@ -16,20 +18,30 @@ from typing import Any, Callable, Iterator, Sequence
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
-from treecli.formats._base import Checkpoint, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
 
-# Order matters only for sniffing: the first format whose sniff accepts wins.
-FORMATS = ("safetensors", "npz", "msgpack", "eqx", "orbax")
+# Each format's class, as "module:Class". Order matters only for sniffing: the first
+# format whose sniff accepts wins.
+FORMATS = {
+    "safetensors": "treecli.formats.safetensors:SafetensorsFormat",
+    "npz": "treecli.formats.npz:NpzFormat",
+    "msgpack": "treecli.formats.msgpack:MsgpackFormat",
+    "npy": "treecli.formats.npy:NpyFormat",
+    "eqx": "treecli.formats.eqx:EqxFormat",
+    "orbax": "treecli.formats.orbax:OrbaxFormat",
+}
 
 
-def get(name: str) -> Any:
-    """The ``FORMAT`` object of a format by name."""
+@functools.cache
+def get(name: str) -> Format:
+    """The format registered as ``name`` (its class imported on first use)."""
     if name not in FORMATS:
         raise UsageError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    return importlib.import_module(f"treecli.formats.{name}").FORMAT
+    module, _, cls = FORMATS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
-def detect(path: Path) -> Any:
+def detect(path: Path) -> Format:
     """The format of a file or directory, from its bytes or layout, then its extension.
 
     Raises:
@@ -61,9 +73,6 @@ def detect(path: Path) -> Any:
     kind = "directory" if path.is_dir() else "file"
     raise FormatError(f"not a checkpoint treecli can read ({kind}; {'; '.join(reasons)})", file=str(path))
 
-
-# Formats whose checkpoints are directories when written: an HF safetensors directory, an Orbax checkpoint.
-DIRECTORY_FORMATS = ("safetensors", "orbax")
 
 URL_SCHEMES = ("http://", "https://", "hf://", "s3://", "gs://")  # read by byte ranges (_remote)
 BUCKET_SCHEMES = ("s3://", "gs://")  # written too
@@ -127,11 +136,11 @@ def _refuse_special(path: Path) -> None:
 WRITES = ".safetensors, .npz, .msgpack, .eqx, or a directory (an HF safetensors directory, or an Orbax checkpoint)"
 # Extensions of files treecli reads but does not write, or never reads: an output named
 # so is a mistake, never a directory of that name.
-_FOREIGN_EXTENSIONS = (".npy", ".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
+_FOREIGN_EXTENSIONS = (".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
                        ".json", ".gguf", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
 
 
-def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Any, bool]:
+def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Format, bool]:
     """The format to write and whether the output is a directory.
 
     ``--format`` wins; else the extension of ``-o`` names it; else ``-o`` is a
@@ -141,7 +150,7 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
         UsageError: the name ends in an extension treecli does not write (``out.h5``,
             ``out.npy``), or ``--format`` contradicts the name's extension.
     """
-    named = next((name for name in FORMATS if any(target.name.endswith(ext) for ext in _written(get(name)))), None)
+    named = next((name for name in FORMATS if target.name.endswith(get(name).written_extensions or "\0")), None)
     foreign = next((ext for ext in _FOREIGN_EXTENSIONS if target.name.lower().endswith(ext)), None)
     if format:
         fmt = get(format)
@@ -149,27 +158,21 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
             raise UsageError(f"the name says {named or foreign} but {option('format', format)} says otherwise; "
                              "treecli writes "
                              f"{WRITES}", file=str(target))
-        return fmt, not any(target.name.endswith(ext) for ext in _written(fmt))
+        return fmt, not target.name.endswith(fmt.written_extensions or "\0")
     if named:
         return get(named), False
     if foreign:
-        hint = " (one leaf: treecli get CKPT KEYPATH -o leaf.npy)" if foreign == ".npy" else ""
-        raise UsageError(f"treecli does not write {foreign} files{hint}; it writes {WRITES}", file=str(target))
+        raise UsageError(f"treecli does not write {foreign} files; it writes {WRITES}", file=str(target))
     if input_format is None:
         raise UsageError(f"cannot tell the output format from the name; add {option('format', 'FORMAT')}",
                          file=str(target))
-    if input_format not in DIRECTORY_FORMATS:
-        extension = _written(get(input_format))[0] if _written(get(input_format)) else ".safetensors"
+    if not get(input_format).writes_directories:
+        extension = (get(input_format).written_extensions or (".safetensors",))[0]
         raise UsageError(f"a name without an extension is a directory, and {input_format} checkpoints are files: "
                          f"name a file ({target.name}{extension}) or write a directory with "
                          f"{option('format', 'orbax')} or {option('format', 'safetensors')} (an HF directory)",
                          file=str(target))
     return get(input_format), True
-
-
-def _written(fmt: Any) -> tuple[str, ...]:
-    """The extensions of the files a format writes (.npy is read as an Equinox record, never written)."""
-    return getattr(fmt, "write_extensions", fmt.extensions) if hasattr(fmt, "write") else ()
 
 
 def save(
@@ -211,14 +214,14 @@ def save(
                              file=target)
         key = PurePosixPath(urllib.parse.urlsplit(target).path or "/")
         try:
-            fmt, is_dir = output_format(key, format, input_format)
+            fmt, _ = output_format(key, format, input_format)
         except TreecliError as e:
             raise e.with_file(target, replace=str(key))
-        _outputs.write_remote(fmt, tree, target, is_dir, options, [*inputs, *_tree.sources(tree)], force)
+        _outputs.write_remote(fmt, tree, target, options, [*inputs, *_tree.sources(tree)], force)
         return target
     target = Path(target)
     fmt, is_dir = output_format(target, format, input_format)
-    if not hasattr(fmt, "write"):
+    if not fmt.writable:
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))
     # the inputs the caller names, and every file the tree's lazy leaves still read from
     sources = _outputs.sources_of([*inputs, *map(Path, _tree.sources(tree))])
@@ -244,7 +247,7 @@ def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = Non
         raise UsageError(f"--in-place keeps the input's format ({checkpoint.format}); write {format} with -o",
                          file=checkpoint.file)
     fmt = get(checkpoint.format)
-    if not hasattr(fmt, "write"):
+    if not fmt.writable:
         raise UsageError(f"treecli cannot write {fmt.name} files", file=checkpoint.file)
     with _writing(Path(checkpoint.file)):
         return _outputs.write_in_place(fmt, tree, checkpoint, options or WriteOptions())

@@ -1,22 +1,17 @@
-"""What every format module provides, and what opening a checkpoint returns.
+"""The contract every format fulfils, and what opening a checkpoint returns.
 
-A format module defines a module-level ``FORMAT`` object with:
-
-- ``name`` (``"safetensors"``), ``extensions`` (``(".safetensors",)``),
-  ``separator`` (how flat keys nest: ``"."``, ``"/"``, or ``None`` if the
-  format stores a real tree);
-- ``sniff(path) -> str | None``: ``None`` if the file or directory looks like
-  this format, else why not (shown when no format accepts a file);
-- ``open(path, **options) -> Checkpoint``: metadata only, lazy leaves;
-- ``write(tree, target, options: WriteOptions) -> None`` (optional): stream
-  the tree to ``target`` (a temporary path given by the atomic writer).
+A format is one subclass of :class:`Format`, in a module of its own under
+``treecli/formats/``, named in the registry (``treecli.formats.FORMATS``). The
+base class documents every member and gives the default of each one a format
+may leave out, so that nothing asks a format what it can do: it says so in its
+class attributes, and what it cannot do raises a clear error here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 @dataclass
@@ -112,3 +107,96 @@ class WriteOptions:
         from treecli._bytes import stream
 
         return stream.Writeback(f, self.readback.file(f) if self.readback is not None else None)
+
+
+class Format:
+    """One checkpoint format: how to recognise it, open it lazily and write it.
+
+    A subclass sets ``name`` and implements ``sniff`` and ``open``; one that writes
+    sets ``writable`` and implements ``write``. Everything else has a default.
+    """
+
+    #: The name users give ``--format`` and the registry knows it by.
+    name: ClassVar[str]
+    #: File names of this format (``.safetensors``): the extension decides for a damaged
+    #: file no ``sniff`` accepts.
+    extensions: ClassVar[tuple[str, ...]] = ()
+    #: The names it writes, when fewer than it reads (``.eqx`` is written, ``.npy`` read too).
+    write_extensions: ClassVar[tuple[str, ...] | None] = None
+    #: How flat stored keys nest (``"."``, ``"/"``); None for a format that stores a real tree.
+    separator: ClassVar[str | None] = None
+    #: Whether it stores Python numbers as they are (else as 0-d arrays, as Equinox does).
+    holds_numbers: ClassVar[bool] = False
+    #: Whether its arrays take less room on disk than in memory (the free-space check is skipped).
+    compresses: ClassVar[bool] = False
+    #: Whether ``write`` is implemented.
+    writable: ClassVar[bool] = False
+    #: Whether a checkpoint of it written under a name without extension is a directory
+    #: (an HF safetensors directory, an Orbax checkpoint), not a file.
+    writes_directories: ClassVar[bool] = False
+    #: Whether ``write_remote`` streams it into a bucket.
+    writes_to_buckets: ClassVar[bool] = False
+
+    def sniff(self, path: Path) -> str | None:
+        """None if the file or directory looks like this format, else why not (shown when
+        no format accepts it). Never raises for a file of another format."""
+        raise NotImplementedError
+
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        """Metadata now, lazy leaves for the data. ``like`` (a ``_pytree.Structure``) names
+        the leaves of a format that stores none; ``step`` picks a CheckpointManager step."""
+        raise NotImplementedError
+
+    @property
+    def written_extensions(self) -> tuple[str, ...]:
+        """The extensions of the files it writes (none when it writes nothing)."""
+        if not self.writable:
+            return ()
+        return self.extensions if self.write_extensions is None else self.write_extensions
+
+    def owns(self, name: str) -> bool:
+        """Whether an entry of an output directory is one its writer writes (``-o DIR --force``
+        may replace a directory that holds nothing else)."""
+        return False
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        """Stream ``tree`` to ``target`` (a temporary the atomic writer made: a new file, or an
+        empty directory for a directory output)."""
+        from treecli._errors import UsageError
+
+        raise UsageError(f"treecli cannot write {self.name} files", file=str(target))
+
+    def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
+        """Rewrite a checkpoint of layout ``"sharded"`` where it lies (other layouts are
+        rewritten whole by the atomic writer)."""
+        from treecli._errors import UsageError
+
+        raise UsageError(f"treecli does not rewrite sharded {self.name} checkpoints in place", file=str(origin.path))
+
+    def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+        """Write into a bucket (``writes_to_buckets``), appearing only when complete."""
+        from treecli._errors import UsageError
+
+        raise UsageError(f"treecli writes safetensors files and Orbax checkpoints to buckets, not {self.name}; "
+                         "write it here and copy it", file=url)
+
+    def stored_leaves(self, tree: Any, written: Any, like: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Both sides of a verification by the names this format stores: ``tree`` as its writer
+        names each leaf, and ``written`` (the output read back). Flat formats join a key path
+        with their separator; tree formats name a leaf by its key path."""
+        return stored_names(tree, self.separator), stored_names(written, self.separator)
+
+    def reference_problems(self, path: Path, written: dict[str, Any]) -> list[str]:
+        """What the format's own reference reader finds wrong with a finished output (``written``:
+        what treecli read back, by stored name); none where there is no reference to ask."""
+        return []
+
+
+def stored_names(tree: Any, separator: str | None) -> dict[str, Any]:
+    """``{stored name: leaf}``: what a writer with this separator names each leaf."""
+    from treecli import _tree
+    from treecli._keypath import format_keypath
+
+    if separator is None:
+        return {format_keypath(kp): leaf for kp, leaf in _tree.flatten(tree)}
+    return {separator.join(str(k) for k in kp): leaf for kp, leaf in _tree.flatten(tree)}

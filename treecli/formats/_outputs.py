@@ -32,7 +32,7 @@ from treecli import _atomic, _tree
 from treecli._bytes import stream
 from treecli._bytes.local import special_kind
 from treecli._errors import TreecliError, UsageError, in_cli, option
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Format, WriteOptions
 
 def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
     """Refuse a target that may not be replaced; return its stat if it exists.
@@ -86,10 +86,9 @@ def check_replaceable_directory(directory: Path, fmt: Any, companions: Sequence[
             if inside == real or inside.startswith(real + os.sep):
                 raise UsageError(f"output directory holds the input {str(source)!r}; refusing to replace it",
                                  file=str(directory))
-    owns = getattr(fmt, "owns", lambda name: False)
     foreign = sorted(
         e.name for e in os.scandir(directory)
-        if not owns(e.name) and not (e.name in companions and not e.is_symlink())
+        if not fmt.owns(e.name) and not (e.name in companions and not e.is_symlink())
     )
     if foreign:
         raise UsageError(
@@ -180,7 +179,7 @@ def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
     filesystem, before anything is written (rather than failing with a full disk after
     minutes of writing, or streaming the 512 GiB of fill values a 2 KB Orbax checkpoint
     may declare). Formats that compress (``fmt.compresses``) are not judged by the size."""
-    if getattr(fmt, "compresses", False):
+    if fmt.compresses:
         return
     try:
         info = os.statvfs(directory)
@@ -189,21 +188,16 @@ def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
     free = info.f_bavail * info.f_frsize
     needed = _tree.array_bytes(tree)
     if needed > free:
-        from treecli._render import human_bytes
+        from treecli._units import human_bytes
 
         raise TreecliError(f"the output's arrays need {human_bytes(needed)}, but its filesystem has "
                            f"{human_bytes(free)} free; nothing was written", file=str(target))
 
 
-def write_remote(fmt: Any, tree: Any, url: str, is_dir: bool, options: WriteOptions,
+def write_remote(fmt: Format, tree: Any, url: str, options: WriteOptions,
                  inputs: Sequence[Checkpoint | Path | str], force: bool) -> None:
-    """Write a new output into a bucket: a safetensors object, or an Orbax checkpoint."""
-    if not hasattr(fmt, "write_remote"):
-        raise UsageError(f"treecli writes safetensors files and Orbax checkpoints to buckets, not {fmt.name}; "
-                         "write it here and copy it", file=url)
-    if fmt.name == "safetensors" and is_dir:
-        raise UsageError("a bucket output is one .safetensors object (a sharded directory is written here)",
-                         file=url)
+    """Write a new output into a bucket (a safetensors object, or an Orbax checkpoint), by
+    the format's ``write_remote``."""
     target = url.rstrip("/")
     for c in inputs:
         source = (c.file if isinstance(c, Checkpoint) else str(c)).rstrip("/")  # (or a URL a lazy leaf reads)

@@ -181,7 +181,7 @@ def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:
     reader, (tensors, metadata, _) = opened
     items = [(name, FileArrayLeaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
-    checkpoint = Checkpoint(tree=tree, format=safetensors.FORMAT.name, file=url, metadata=dict(metadata))
+    checkpoint = Checkpoint(tree=tree, format=safetensors.SafetensorsFormat.name, file=url, metadata=dict(metadata))
     checkpoint.warnings.extend([warning] if warning else [])
     checkpoint._closers.append(reader.close)
     return checkpoint
@@ -221,6 +221,6 @@ def _open_sharded(url: str, place: Any, text: str) -> Checkpoint:
             raise results[shard]
         reader, (tensors, metadata, _) = results[shard]
         opened[shard] = (reader, tensors, metadata)
-    checkpoint = Checkpoint(tree=None, format=safetensors.FORMAT.name, file=url)
+    checkpoint = Checkpoint(tree=None, format=safetensors.SafetensorsFormat.name, file=url)
     safetensors.assemble_shards(checkpoint, weight_map, opened)
     return checkpoint

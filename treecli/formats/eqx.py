@@ -1,4 +1,4 @@
-"""Equinox ``.eqx`` files (``eqx.tree_serialise_leaves``) and plain ``.npy`` files.
+"""Equinox ``.eqx`` files (``eqx.tree_serialise_leaves``): ``.npy`` records one after another.
 
 An ``.eqx`` file is the model's array leaves saved one after another with
 ``np.save``, in JAX's flatten order: bare ``.npy`` records, no names (those
@@ -6,7 +6,7 @@ live in the model's code). Without a template it opens as an unnamed sequence
 ``[0]``, ``[1]``, ... of lazy leaves read from each record's header; with one
 (``like``, the CLI's ``--like MODULE:ATTR``) record *i* is the template's
 *i*-th array leaf and takes its key path, its shape and dtype checked. A
-``.npy`` file is a sequence of one.
+``.npy`` file (``formats.npy``) is read the same way, as a sequence of one.
 
 Writing follows ``tree_serialise_leaves``: one record per array leaf, in the
 pytree's own order (``WriteOptions.like``, whose shapes and dtypes each record must
@@ -27,15 +27,16 @@ from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, counted, option
 from treecli._keypath import KeyPath, format_keypath
 from treecli.formats import _npy
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
 
-class _Format:
+class EqxFormat(Format):
+    """Equinox's ``tree_serialise_leaves``: ``.npy`` records one after another, no names."""
+
     name = "eqx"
-    extensions = (".eqx", ".npy")
-    write_extensions = (".eqx",)  # a .npy file holds one leaf: `treecli get -o` writes those
-    separator = None
+    extensions = (".eqx",)
+    writable = True
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -43,17 +44,23 @@ class _Format:
         with open_regular(path) as f:
             return None if f.read(6) == _npy.MAGIC else "does not start with a .npy record"
 
-    def open(self, path: Path, like: _pytree.Structure | None = None, **_: Any) -> Checkpoint:
-        return _open(Path(path), like)
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        return open_records(Path(path), like)
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         _write(tree, target, options)
 
+    def stored_leaves(self, tree: Any, written: Any, like: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """An ``.eqx`` file stores no names: record *i* is named after the *i*-th leaf the
+        writer took (in the model's order)."""
+        taken = records(tree, WriteOptions(drop_unsupported=True, like=like), "")
+        names = [f"[{i}] {text}" for i, (text, _) in enumerate(taken)]
+        return (dict(zip(names, (leaf for _, leaf in taken))),
+                {names[i] if i < len(names) else f"[{i}]": leaf for i, leaf in enumerate(written)})
 
-FORMAT = _Format()
 
-
-def _open(path: Path, like: _pytree.Structure | None) -> Checkpoint:
+def open_records(path: Path, like: _pytree.Structure | None, format: str = "eqx") -> Checkpoint:
+    """A file of ``.npy`` records as a sequence of lazy leaves (named by ``like``, if given)."""
     file = str(path)
     leaves = []
     offset = 0
@@ -82,7 +89,7 @@ def _open(path: Path, like: _pytree.Structure | None) -> Checkpoint:
             dtype_name = "bfloat16" if header.dtype_name == "V2" else header.dtype_name
             leaves.append(FileArrayLeaf(reader, data, header.shape, dtype_name))
             offset = data + header.nbytes
-    checkpoint = Checkpoint(tree=leaves if like is None else _named(leaves, like, file), format="eqx", file=file)
+    checkpoint = Checkpoint(tree=leaves if like is None else _named(leaves, like, file), format=format, file=file)
     checkpoint._closers.append(reader.close)
     if like is None and path.suffix == ".eqx":
         checkpoint.warnings.append("an .eqx file stores leaves without names: they are shown by position, 0, 1, "

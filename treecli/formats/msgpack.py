@@ -21,7 +21,7 @@ from typing import Any
 from treecli import _dtypes, _leaf, _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli._bytes.local import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
@@ -31,11 +31,13 @@ _MAX_CHUNK = 2**30  # Flax's MAX_CHUNK_SIZE
 _MAP_FIRST_BYTES = set(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
-class _Format:
+class MsgpackFormat(Format):
+    """Flax's msgpack state dicts (``flax.serialization.to_bytes``)."""
+
     name = "msgpack"
     holds_numbers = True  # a Python int is stored as an int, as Flax's msgpack does
     extensions = (".msgpack",)
-    separator = None
+    writable = True
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -46,16 +48,13 @@ class _Format:
             first = f.read(1)
         return None if first and first[0] in _MAP_FIRST_BYTES else "does not start with a msgpack map"
 
-    def open(self, path: Path, **_: Any) -> Checkpoint:
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         return _open(Path(path))
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         if target.is_dir():
             raise TreecliError("msgpack output must be a file ending in .msgpack", file=str(target))
         _write(tree, target, options)
-
-
-FORMAT = _Format()
 
 
 def _open(path: Path) -> Checkpoint:

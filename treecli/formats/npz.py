@@ -34,7 +34,7 @@ from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, TreecliError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy, _zip
-from treecli.formats._base import Checkpoint, WriteOptions
+from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
 MAX_METADATA_BYTES = 64 << 20
@@ -45,10 +45,13 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # so that two saves give identical bytes
 _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError, RuntimeError)
 
 
-class _Format:
+class NpzFormat(Format):
+    """NumPy's ``.npz``: a zip of ``.npy`` members, keys joined with ``/``."""
+
     name = "npz"
     extensions = (".npz",)
     separator = "/"
+    writable = True
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -65,16 +68,13 @@ class _Format:
             return None
         return "a zip without .npy members"
 
-    def open(self, path: Path, **_: Any) -> Checkpoint:
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         return _open(Path(path))
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         if target.is_dir():
             raise TreecliError("npz output must be a file ending in .npz", file=str(target))
         _write(tree, target, options)
-
-
-FORMAT = _Format()
 
 
 def _open(path: Path) -> Checkpoint:

@@ -25,7 +25,7 @@ from treecli import _leaf, _memory, _tree
 from treecli._errors import FormatError, TreecliError, UsageError, counted, in_cli, option
 from treecli._keypath import format_keypath
 from treecli._bytes.local import refuse_special
-from treecli.formats._base import Checkpoint, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
 from treecli.formats._folder import Folder, LocalFolder
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -38,12 +38,15 @@ _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 METADATA_CACHE_BYTES = 16 << 20  # OCDBT manifests and B-tree nodes, shared by a checkpoint's arrays
 
 
-class _Format:
+class OrbaxFormat(Format):
+    """Orbax checkpoints: a PyTree checkpoint directory, a CheckpointManager root or step."""
+
     name = "orbax"
     holds_numbers = True  # a Python int is stored as Orbax stores it: a scalar
     compresses = True  # its arrays take less room on disk than in memory (zstd)
-    extensions: tuple[str, ...] = ()
-    separator = None
+    writable = True
+    writes_directories = True
+    writes_to_buckets = True
 
     def sniff(self, path: Path) -> str | None:
         if not path.is_dir():
@@ -52,7 +55,7 @@ class _Format:
             return None
         return "no _METADATA, _CHECKPOINT_METADATA or step directories"
 
-    def open(self, path: Path, step: int | None = None, **_: Any) -> Checkpoint:
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         _refuse_escaping_symlinks(Path(path))
         return open_folder(LocalFolder(Path(path)), step)
 
@@ -65,9 +68,6 @@ class _Format:
 
     def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
         _write_remote(tree, url, options, replace)
-
-
-FORMAT = _Format()
 
 
 def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
@@ -282,7 +282,7 @@ def _open_aggregate(directory: Folder) -> Any:
     if not isinstance(directory, LocalFolder):
         raise FormatError("Orbax's layout before _METADATA (a msgpack 'checkpoint' file) is read from local "
                           "directories only; copy it here first", file=directory.name)
-    with msgpack_format.FORMAT.open(directory.path / _AGGREGATE) as aggregate:
+    with msgpack_format.MsgpackFormat().open(directory.path / _AGGREGATE) as aggregate:
         items = _tree.flatten(aggregate.tree)
     names = {kp: x[len(_PLACEHOLDER):] for kp, x in items if isinstance(x, str) and x.startswith(_PLACEHOLDER)}
     use_ocdbt = directory.is_file("manifest.ocdbt")
@@ -508,7 +508,7 @@ def _write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> 
     if existing:
         if not replace:
             raise UsageError("output exists (add --force to replace it)", file=url)
-        foreign = sorted(top for top in set(map(_top, existing)) if not FORMAT.owns(top))
+        foreign = sorted(top for top in set(map(_top, existing)) if not OrbaxFormat().owns(top))
         if foreign:
             raise UsageError(f"holds {', '.join(foreign[:5])}, which Orbax's writer does not write; refusing to "
                              "replace it", file=url)

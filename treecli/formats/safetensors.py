@@ -22,10 +22,10 @@ from typing import Annotated, Any, Callable, Literal
 from treecli import _atomic, _dtypes, _gc, _leaf
 from treecli._bytes import stream
 from treecli._bytes.local import FileReader, identity, open_regular, read_text
-from treecli._errors import FormatError, NotDurableError, TreecliError, counted, option
+from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
@@ -51,10 +51,15 @@ _PACKED_CODES = {"F4", "F6_E2M3", "F6_E3M2"}  # several elements per byte
 _OWNED = re.compile(r"model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors|model\.safetensors\.index\.json")
 
 
-class _Format:
+class SafetensorsFormat(Format):
+    """safetensors: one file, an HF sharded directory, or its index."""
+
     name = "safetensors"
     extensions = (".safetensors",)
     separator = "."
+    writable = True
+    writes_directories = True
+    writes_to_buckets = True
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -76,7 +81,7 @@ class _Format:
             return "does not start with a safetensors header"
         return None
 
-    def open(self, path: Path, **_: Any) -> Checkpoint:
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
         if path.is_dir():
             return _open_directory(path)
@@ -99,10 +104,29 @@ class _Format:
         _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
 
     def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
+        if not url.endswith(self.extensions):
+            raise UsageError("a bucket output is one .safetensors object (a sharded directory is written here)",
+                             file=url)
         _write_remote(tree, url, options, replace)
 
+    def reference_problems(self, path: Path, written: dict[str, Any]) -> list[str]:
+        """The output must also open with the reference's own parser (``safetensors.safe_open``),
+        naming the tensors treecli's reader found."""
+        from safetensors import safe_open
 
-FORMAT = _Format()
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        names: set[str] = set()
+        problems = []
+        for file in files:
+            try:
+                with safe_open(str(file), framework="numpy") as reader:
+                    names.update(reader.keys())
+            except Exception as e:  # the reference's own error types
+                problems.append(f"{file.name}: the safetensors reference cannot open it: {e}")
+        ours = {name for name, leaf in written.items() if _leaf.is_array(leaf)}
+        if not problems and names != ours:
+            problems.append(f"the safetensors reference reads {counted(len(names), 'tensor')}, treecli {len(ours)}")
+        return problems
 
 
 # ---------------------------------------------------------------------------
@@ -832,14 +856,3 @@ def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, opti
 def _unlink_all(paths: Any) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-def parse_size(text: str) -> int:
-    """``5GB`` -> 5e9 bytes, ``500MiB`` -> 500 * 2**20, ``1000`` -> 1000 (as transformers reads them)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise TreecliError(f"bad size {text!r}; write e.g. 5GB, 500MiB or a number of bytes")
-    number, unit, binary = match.groups()
-    base = 1024 if binary else 1000
-    power = "KMGT".find(unit.upper()) + 1 if unit else 0
-    return int(float(number) * base**power)
