@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import treecli
-
 from .conftest import assert_clean_error
 
 HUGE = "9" * 5000

@@ -1,4 +1,4 @@
-"""Every example in the README and in each command's --help runs, on real inputs
+"""Every example in the README, CONTRIBUTING.md, docs/ and each command's --help runs, on real inputs
 made by the real libraries (so that none can rot again).
 
 Examples use the names a user would (model.safetensors, ckpt_dir, run1, ...):
@@ -135,8 +135,12 @@ def _run(box: Path, line: str, monkeypatch) -> None:
     assert result.code in allowed, f"{line}\n{result.stderr}"
 
 
+DOCUMENTS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def _readme_blocks() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
+    """The ``sh`` blocks of the README, CONTRIBUTING.md and every page of docs/."""
+    text = "\n".join(path.read_text() for path in DOCUMENTS)
     blocks = []
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         joined = re.sub(r"\\\n\s*", " ", block)  # continued lines
@@ -173,3 +177,19 @@ def test_help_examples_run(line, template, tmp_path, monkeypatch):
     box = tmp_path / "box"
     shutil.copytree(template, box, symlinks=True)
     _run(box, line, monkeypatch)
+
+
+def _python_blocks() -> list[str]:
+    """The ``python`` blocks of the same documents."""
+    return [block for path in DOCUMENTS for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)]
+
+
+@pytest.mark.parametrize("block", _python_blocks(), ids=lambda b: b.strip().splitlines()[-1][:60])
+def test_python_examples_run(block, template, tmp_path, monkeypatch):
+    """Each block runs as written in a fresh sandbox, where its file names exist."""
+    pytest.importorskip("equinox")
+    box = tmp_path / "box"
+    shutil.copytree(template, box, symlinks=True)
+    monkeypatch.chdir(box)
+    monkeypatch.syspath_prepend(str(box))
+    exec(compile(block, "<example>", "exec"), {"__name__": "__example__"})

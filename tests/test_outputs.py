@@ -1,4 +1,4 @@
-"""What an output may replace (README, "Outputs and safety"): in-place edits of
+"""What an output may replace (docs/safety.md): in-place edits of
 directories, -o DIR --force, special files, outputs over inputs, verification
 before publishing, snapshots of inputs, name collisions in writers, cleanup on
 every failure path and signal, and exit codes that tell the truth about the disk."""

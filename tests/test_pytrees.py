@@ -537,31 +537,6 @@ def test_show_of_msgpack_does_not_import_jax(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-# --- the README's section runs as written ----------------------------------------------------------
-
-
-def _readme_python_blocks() -> list[str]:
-    import re
-
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text.split("## Python API for JAX users", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
-
-
-def test_the_readme_has_an_example_per_kind():
-    assert len(_readme_python_blocks()) >= 5
-
-
-@pytest.mark.parametrize("block", _readme_python_blocks(), ids=lambda b: b.splitlines()[0][:40])
-def test_readme_python_examples_run(block, tmp_path, monkeypatch):
-    import types
-
-    monkeypatch.chdir(tmp_path)
-    module = types.ModuleType("readme_example")  # dataclasses look their module up in sys.modules
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(block, "README.md", "exec"), module.__dict__)
-
-
 @pytest.mark.parametrize("how", ["convert-shapes", "convert-dtype", "edit-cast", "edit-cast-in-place"])
 def test_an_eqx_the_model_could_not_load_is_refused_before_writing(models, cli, tmp_path, how):
     """Record i of an .eqx file is the model's i-th leaf: a leaf of another shape or dtype

@@ -465,7 +465,7 @@ def test_show_of_an_orbax_checkpoint_over_http_fetches_each_object_once(orbax_ru
 def test_an_orbax_checkpoint_read_through_redirects_keeps_the_token_at_the_hub(orbax_run, server, cdn, cli,
                                                                                  monkeypatch):
     """Its metadata files go through treecli's GET, its arrays through TensorStore's HTTP
-    driver (which does not follow redirects: a clean error, noted in the README); neither
+    driver (which does not follow redirects: a clean error, noted in docs/remote.md); neither
     sends the token to the other origin."""
     monkeypatch.setenv("HF_TOKEN", "secret")
     _serve_tree(cdn, orbax_run / "run" / "20", "/blob")

@@ -2,7 +2,7 @@
 
 TensorStore is the engine Orbax itself reads and writes buckets with, it is
 installed with orbax-checkpoint, and on this machine it read byte ranges faster
-than fsspec and obstore (``bench/engines.py``; figures in the README). Its
+than fsspec and obstore (``bench/engines.py``; figures in docs/benchmarks.md). Its
 drivers retry transient failures with backoff themselves.
 
 Configuration is each ecosystem's own: ``AWS_ENDPOINT_URL``,

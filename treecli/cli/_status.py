@@ -6,7 +6,7 @@ import enum
 
 
 class ExitStatus(enum.IntEnum):
-    """What treecli's exit code says (README, "Exit codes")."""
+    """What treecli's exit code says (docs/safety.md, "Exit codes")."""
 
     OK = 0
     DIFFERENCES = 1  # diff found some

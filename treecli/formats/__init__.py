@@ -161,6 +161,8 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
         return fmt, not target.name.endswith(fmt.written_extensions or "\0")
     if named:
         return get(named), False
+    foreign = foreign or next((ext for name in FORMATS if not get(name).writable for ext in get(name).extensions
+                               if target.name.endswith(ext)), None)  # read, never written
     if foreign:
         raise UsageError(f"treecli does not write {foreign} files; it writes {WRITES}", file=str(target))
     if input_format is None:

@@ -1,5 +1,5 @@
 """What an output may replace: the one place every command and the Python API
-go through before anything is written (README, "Outputs and safety").
+go through before anything is written (docs/safety.md).
 
 - Only regular files and checkpoint directories are ever replaced: never a
   device, FIFO or socket (nor a symlink to one).
