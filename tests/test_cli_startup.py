@@ -144,3 +144,22 @@ def test_zsh_keeps_the_apostrophes_of_descriptions():
     shown = subprocess.run([zsh, "-fc", "setopt local_options rc_quotes; _arguments() { print -r -- \"$@\" }; "
                             f"eval $(print -r -- {shlex.quote(generated)})"], capture_output=True, text=True).stdout
     assert "mergekit's" in shown, shown
+
+
+def test_the_public_api_is_visible_to_type_checkers_and_stays_lazy():
+    """``__init__``'s TYPE_CHECKING block names exactly what it exports lazily, and the
+    package says it is typed (py.typed, installed with it)."""
+    import ast
+    import importlib.resources
+
+    import treecli
+
+    tree = ast.parse((ROOT / "treecli" / "__init__.py").read_text())
+    checking = next(node for node in tree.body
+                    if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.asname for node in checking.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == set(treecli._EXPORTS)
+    assert importlib.resources.files("treecli").joinpath("py.typed").is_file()
+    assert treecli.Checkpoint.__name__ == "Checkpoint"
+    modules = _modules_after("import treecli")
+    assert not any(name.startswith("treecli.") for name in modules), sorted(modules)

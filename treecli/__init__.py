@@ -10,7 +10,7 @@ The public API, imported lazily so that ``import treecli`` costs nothing::
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "load": "treecli._api",
@@ -22,6 +22,7 @@ _EXPORTS = {
     "StructureError": "treecli._errors",
     "UsageError": "treecli._errors",
     "ArrayLeaf": "treecli._leaf",
+    "Checkpoint": "treecli.formats._base",
     "slice_tree": "treecli._api",
     "average": "treecli._api",
     "merge": "treecli._api",
@@ -35,6 +36,19 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
+    from treecli._api import at as at, average as average, diff as diff, edit as edit, jax_keypath as jax_keypath
+    from treecli._api import load as load, merge as merge, open as open, save as save, slice_tree as slice_tree
+    from treecli._edit import Edits as Edits
+    from treecli._errors import FormatError as FormatError, KeyPathError as KeyPathError
+    from treecli._errors import StructureError as StructureError, TreecliError as TreecliError
+    from treecli._errors import UsageError as UsageError
+    from treecli._keypath import format_keypath as format_keypath, parse as parse_keypath
+    from treecli._leaf import ArrayLeaf as ArrayLeaf
+    from treecli.formats._base import Checkpoint as Checkpoint
+
+    __version__: str
 
 
 def __getattr__(name: str) -> Any:
