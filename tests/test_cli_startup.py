@@ -163,3 +163,21 @@ def test_the_public_api_is_visible_to_type_checkers_and_stays_lazy():
     assert treecli.Checkpoint.__name__ == "Checkpoint"
     modules = _modules_after("import treecli")
     assert not any(name.startswith("treecli.") for name in modules), sorted(modules)
+
+
+TINY = str(ROOT / "examples" / "tiny.safetensors")
+
+
+@pytest.mark.parametrize("args", [
+    ["show", TINY], ["show", TINY, "--json"],
+    ["slice", TINY, "--index", "0", "--dry-run"], ["slice", TINY, "--index", "model.layers.*.**=:2", "--dry-run"],
+    ["edit", TINY, "--scale", "**=2", "--cast", "model.norm.weight=bfloat16", "--rename", "lm_head.weight=head",
+     "--delete", "step", "--dry-run"],
+    ["diff", TINY, TINY], ["get", TINY, "model.layers.0.mlp.up_proj.weight", "--help"],
+    *[[command, "--help"] for command in ("show", "slice", "average", "merge", "edit", "diff", "convert", "get")],
+])
+def test_every_command_plans_and_starts_as_show_does(args):
+    """What a command imports before it reads data is what show imports: no NumPy, jax or
+    orbax to parse, plan or print a dry run (NumPy comes with the first array computed)."""
+    modules = _modules_after(f"from treecli.cli import main\nmain({args!r})")
+    assert _heavy(modules) == [] and "numpy" not in modules, sorted(m for m in modules if "numpy" in m)[:3]

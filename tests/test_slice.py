@@ -151,3 +151,24 @@ def test_cli_slice_errors_write_nothing(cli, tmp_path):
     assert_clean_error(cli("slice", path, "--index", "x=0", "-o", tmp_path / "o.safetensors"), "matches nothing")
     assert_clean_error(cli("slice", path, "--index", "0"), "-o")
     assert snapshot(tmp_path) == before
+
+
+def test_result_shape_is_numpys_without_numpy():
+    """The planning of a slice (``--dry-run``, the shapes of the output) agrees with NumPy's
+    indexing on every combination of these items, errors included, and imports no NumPy."""
+    import itertools
+
+    from treecli._index import result_shape
+
+    items = [0, 1, -1, 2, -3, 5, -6, None, Ellipsis, slice(None), slice(1, None), slice(None, 2),
+             slice(None, None, -1), slice(1, 5, 2), slice(-2, None), slice(None, None, 3)]
+    for shape in [(), (3,), (4, 5), (2, 3, 4), (0, 3), (5, 0, 2)]:
+        for n in range(4):
+            for index in itertools.product(items, repeat=n):
+                try:
+                    expected = np.zeros(shape)[index].shape
+                except IndexError:
+                    with pytest.raises(IndexError):
+                        result_shape(shape, index)
+                    continue
+                assert result_shape(shape, index) == expected, (shape, index)

@@ -250,8 +250,6 @@ def _cast(leaves, text, what, report):
 def cast_leaf(source, dtype_name, keypath, report):
     """A computed leaf: ``source`` cast to ``dtype_name``; finite values that overflow to inf
     are counted and reported in ``report.warnings`` when the last chunk is read."""
-    import numpy as np
-
     from treecli._average import SUB_CHUNK, scratch_buffers
     from treecli._bytes import stream
 
@@ -265,6 +263,8 @@ def cast_leaf(source, dtype_name, keypath, report):
         # The source is read a scratch buffer at a time and cast straight into the output;
         # overflow is looked for in the output (Inf or NaN) and only then counted against
         # the source (finite there): no float64 copies.
+        import numpy as np  # (when data is computed: planning and --dry-run go without NumPy)
+
         with scratch_buffers(3) as (raw, flags, work):
             for s in range(start, stop, step):
                 e = min(stop, s + step)
@@ -291,8 +291,6 @@ def cast_leaf(source, dtype_name, keypath, report):
 
 
 def _scale(leaves, text, what, report):
-    import numpy as np
-
     pattern_text, factor_text = _split(text, "scale", "PATTERN=FACTOR")
     factor = _parse_number(factor_text, _errors.option("scale", text))
     if not math.isfinite(factor):
@@ -301,6 +299,8 @@ def _scale(leaves, text, what, report):
         source = _leaf.as_leaf(leaves[keypath])
 
         def compute(start, stop, source=source):
+            import numpy as np  # (when data is computed: planning and --dry-run go without NumPy)
+
             chunk = source.read_flat(start, stop)
             return (chunk.astype(np.float64) * factor).astype(source.dtype)
 

@@ -89,13 +89,33 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     """The shape of ``x[index]`` for an array of ``shape``, without any data.
 
     Raises:
-        IndexError: as NumPy would (out of range, too many indices).
+        IndexError: as NumPy would, in its words (out of range, too many indices).
+        ValueError: a slice step of zero, as NumPy's.
     """
-    import numpy as np
-
-    # A zero-stride view costs nothing whatever the shape; NumPy does the rest.
-    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=shape, strides=(0,) * len(shape))
-    return ghost[index].shape
+    consumed = indexed_dims(index)
+    if consumed > len(shape) or list(index).count(Ellipsis) > 1:
+        if list(index).count(Ellipsis) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        raise IndexError(f"too many indices for array: array is {len(shape)}-dimensional, but {consumed} were indexed")
+    out: list[int] = []
+    axis = 0
+    for item in index:
+        if item is None:
+            out.append(1)
+        elif item is Ellipsis:
+            fill = len(shape) - consumed
+            out.extend(shape[axis : axis + fill])
+            axis += fill
+        elif isinstance(item, slice):
+            if item.step == 0:
+                raise ValueError("slice step cannot be zero")
+            out.append(len(range(*item.indices(shape[axis]))))
+            axis += 1
+        else:
+            if not -shape[axis] <= item < shape[axis]:
+                raise IndexError(f"index {item} is out of bounds for axis {axis} with size {shape[axis]}")
+            axis += 1
+    return tuple(out) + tuple(shape[axis:])
 
 
 def selectors(shape: tuple[int, ...], index: Index) -> list[int | range]:
