@@ -5,7 +5,8 @@ from safetensors import deserialize
 from safetensors.numpy import save_file
 
 import treecli
-from treecli._average import average, parse_weights
+from treecli._average import average
+from treecli.cli._common import parse_weights
 from treecli._errors import StructureError, UsageError
 
 from .conftest import BF16, assert_clean_error, bits, snapshot
@@ -51,7 +52,7 @@ def test_accuracy_against_a_float64_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_leaves_computed_in_blocks_on_two_threads_match_the_reference(dtype):
-    from treecli._average import SUB_CHUNK
+    from treecli._combine import SUB_CHUNK
 
     rng = np.random.default_rng(2)
     size = 2 * SUB_CHUNK + 12345  # three blocks, the last one short

@@ -1,3 +1,4 @@
+import functools
 import hashlib
 import os
 import random
@@ -11,10 +12,15 @@ import pytest
 from safetensors import deserialize
 from safetensors.numpy import load_file, save_file
 
-from treecli._edit import Edits, at, edit
+from treecli._edit import Edits as _Edits
+from treecli._edit import at, edit
 from treecli._errors import KeyPathError, UsageError
+from treecli.formats.npy import open_array
 
 from .conftest import BF16, assert_clean_error, bits, snapshot
+
+# The operation is given how @file values are read, as treecli.edit and the CLI give it.
+Edits = functools.partial(_Edits, open_array=open_array)
 
 
 def materialize(tree):
@@ -95,7 +101,7 @@ def test_wildcard_casts_take_float_leaves_only_exact_paths_any_dtype():
 def test_cast_over_many_chunks_counts_only_finite_values_that_overflow_and_rounds_as_numpy():
     """Overflow is found in the output and checked against the source: an inf or NaN
     already there is not counted; every chunk is cast as NumPy casts."""
-    from treecli._average import SUB_CHUNK
+    from treecli._combine import SUB_CHUNK
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal(3 * SUB_CHUNK + 5) * 1e3

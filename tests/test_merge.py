@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import treecli
-from treecli import _merge
-from treecli._average import SUB_CHUNK
+from treecli import _merge, _selection
+from treecli._combine import SUB_CHUNK
 
 from .conftest import BF16, assert_clean_error
 
@@ -141,10 +141,10 @@ def test_ties_on_a_sampled_leaf_counts_near_the_estimate_in_one_pass(monkeypatch
     """A leaf larger than the sample: the threshold comes from one pass that counts the keys
     above the sample's estimate and records those near it, ties at the cut included (found
     again in the one block of many that holds the cut)."""
-    monkeypatch.setattr(_merge._Trims, "SAMPLE", 4096)
-    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 512)
-    monkeypatch.setattr(_merge._Trims, "BLOCK", 10_000)
-    radix = spy(monkeypatch, _merge._Trims, "_radix")
+    monkeypatch.setattr(_selection.Trims, "SAMPLE", 4096)
+    monkeypatch.setattr(_selection.Trims, "SAMPLE_RUN", 512)
+    monkeypatch.setattr(_selection.Trims, "BLOCK", 10_000)
+    radix = spy(monkeypatch, _selection.Trims, "_radix")
     rng = np.random.default_rng(2)
     n = 3 * SUB_CHUNK + 999
     base = np.zeros(n, BF16)
@@ -157,9 +157,9 @@ def test_ties_on_a_sampled_leaf_counts_near_the_estimate_in_one_pass(monkeypatch
 def test_ties_stays_exact_when_the_sample_misleads(monkeypatch):
     """The sampled runs hold tiny deltas and the rest large ones: the estimate is far off,
     and the radix passes find the exact threshold."""
-    monkeypatch.setattr(_merge._Trims, "SAMPLE", 4096)
-    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 512)
-    radix = spy(monkeypatch, _merge._Trims, "_radix")
+    monkeypatch.setattr(_selection.Trims, "SAMPLE", 4096)
+    monkeypatch.setattr(_selection.Trims, "SAMPLE_RUN", 512)
+    radix = spy(monkeypatch, _selection.Trims, "_radix")
     rng = np.random.default_rng(4)
     n = 2 * SUB_CHUNK + 77
     step = 512 * -(-n // 4096)
@@ -176,10 +176,10 @@ def test_ties_stays_exact_when_the_sample_misleads(monkeypatch):
 
 
 def test_ties_finds_the_cut_in_a_third_pass_when_the_bin_is_too_full_to_record(monkeypatch):
-    monkeypatch.setattr(_merge._Trims, "SAMPLE", 1024)
-    monkeypatch.setattr(_merge._Trims, "SAMPLE_RUN", 256)
-    monkeypatch.setattr(_merge._Trims, "MAX_RECORDED", 8)  # too few for the near keys, then the bin
-    third = spy(monkeypatch, _merge._Trims, "_find_cuts")
+    monkeypatch.setattr(_selection.Trims, "SAMPLE", 1024)
+    monkeypatch.setattr(_selection.Trims, "SAMPLE_RUN", 256)
+    monkeypatch.setattr(_selection.Trims, "MAX_RECORDED", 8)  # too few for the near keys, then the bin
+    third = spy(monkeypatch, _selection.Trims, "_find_cuts")
     rng = np.random.default_rng(3)
     n = SUB_CHUNK + 4321
     base = np.zeros(n, BF16)

@@ -9,6 +9,7 @@ lazily from files stay lazy, so that ``save`` streams them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -176,7 +177,11 @@ def edit(tree: Any, edits: _edit.Edits) -> tuple[Any, Any]:
     """Rename, delete, set, cast and scale leaves of any pytree by key path; see
     ``treecli._edit.edit``. A result whose key paths changed (a rename or delete)
     comes back as nested dicts: the original type cannot hold them."""
+    from treecli.formats.npy import open_array
+
     native, structure = _pytree.to_native(tree)
+    if edits.open_array is None:
+        edits = dataclasses.replace(edits, open_array=open_array)
     result, report = _edit.edit(native, edits)
     return _finish(result, [native], structure), report
 

@@ -1,5 +1,5 @@
 """``average``: streaming weighted averages of N trees (model soups, checkpoint
-averaging, linear merges, task arithmetic).
+averaging, linear merges, task arithmetic), on the combining engine (``_combine``).
 
 Float leaves accumulate in float64 (see ``_dtypes.accumulator`` for why not
 float32), sub-chunk by sub-chunk into reused buffers, and are cast back to
@@ -14,66 +14,9 @@ two or more dimensions, and needs N copies of each leaf in memory.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
-from treecli import _diff, _dtypes, _leaf, _tree
-from treecli._bytes import stream
-from treecli._errors import StructureError, UsageError, counted, option
-from treecli._keypath import format_keypath
-
-# Elements per inner step, and per block handed to a thread, with float64 buffers.
-# Measured here (3 x 0.5 GiB, two threads, noisy machine): bf16 64K 1.5-2.2 s,
-# 128K 1.05-1.4 s, 256K 2.2 s; fp32 64K 0.8 s, 128K 0.58 s, 256K 1.1 s. Small
-# steps lose to per-call overhead and GIL hand-offs, large ones to cache misses.
-SUB_CHUNK = 128 * 1024
-
-
-@dataclass
-class AverageReport:
-    """What averaging found, filled while the output is written."""
-
-    nonfinite_inputs: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (keypath, input) -> [nan, inf]
-    nonfinite_outputs: dict[str, int] = field(default_factory=dict)  # keypath -> count
-    copied: list[str] = field(default_factory=list)  # int/bool/non-array leaves copied from one input
-    differing: list[str] = field(default_factory=list)  # those of them that differ between inputs
-    copied_from: str = ""  # the input they came from
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def warnings(self) -> list[str]:
-        lines = [f"{kp}: {nan} NaN and {inf} Inf values in {name}"
-                 for (kp, name), (nan, inf) in self.nonfinite_inputs.items()]
-        lines += [f"{kp}: non-finite values in the output: {count}" for kp, count in self.nonfinite_outputs.items()]
-        return lines
-
-    def notes(self) -> list[str]:
-        if not self.differing:
-            return []
-        shown = ", ".join(self.differing[:8]) + (", ..." if len(self.differing) > 8 else "")
-        return [f"{len(self.differing)} integer, bool or non-array leaves differ between the inputs; copied from "
-                f"{self.copied_from}: {shown}"]
-
-
-def parse_weights(text: str | None, count: int) -> list[float]:
-    """``"1,2,3"`` -> ``[1.0, 2.0, 3.0]``; equal weights when ``None``.
-
-    Raises:
-        UsageError: a weight that is not a finite number, or the wrong count.
-    """
-    if text is None:
-        return [1.0] * count
-    try:
-        weights = [float(w) for w in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise UsageError(f"--weights {text!r}: write numbers separated by commas, e.g. 1,2,3") from None
-    if not all(math.isfinite(w) for w in weights):
-        raise UsageError(f"--weights {text!r}: every weight must be a finite number")
-    if len(weights) != count:
-        raise UsageError(f"--weights has {counted(len(weights), 'value')} for {counted(count, 'input')}")
-    return weights
+from treecli._combine import AverageReport, linear
 
 
 def average(
@@ -92,12 +35,9 @@ def average(
         weights: one per tree (default equal); normalized to sum 1 unless ``normalize=False``.
         names: how to call each input in messages (file names).
         dtype: output dtype of float leaves (default: each leaf's own).
-        non_float: what to do with integer, bool and non-array leaves (step
-            counters, optax counts, a step's JSON items) that differ between
-            inputs: ``"last"`` (the default) copies them from the last input, the
-            newest when averaging the last N steps of a run in order;
-            ``"first"`` from the first; ``"error"`` refuses. The report's
-            ``notes()`` name the leaves copied.
+        non_float: what to do with integer, bool and non-array leaves that differ between
+            inputs: ``"last"`` (the default) copies them from the last input, ``"first"``
+            from the first; ``"error"`` refuses. The report's ``notes()`` name them.
 
     Returns:
         The averaged tree (computed leaves: data is produced when read) and a
@@ -111,178 +51,4 @@ def average(
     Example:
         >>> soup, _ = treecli.average([a, b, c], [1, 2, 3])
     """
-    if len(trees) < 1:
-        raise UsageError("average needs at least one input")
-    names = names or [f"input {i}" for i in range(len(trees))]
-    weights = [1.0] * len(trees) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(trees):
-        raise UsageError(f"{len(weights)} weights for {len(trees)} inputs")
-    if non_float not in ("error", "first", "last"):
-        raise UsageError(f"non_float must be 'last', 'first' or 'error', not {non_float!r}")
-    if not all(math.isfinite(w) for w in weights):
-        raise UsageError(f"weights {weights} are not all finite numbers")
-    if normalize:
-        try:
-            total = math.fsum(weights)
-        except OverflowError:  # 1e308 + 1e308: scaled by the largest first, never inf (and zeros)
-            largest = max(abs(w) for w in weights)
-            weights = [w / largest for w in weights]
-            total = math.fsum(weights)
-        if total == 0:
-            raise UsageError("the weights sum to 0 and cannot be normalized; use "
-                             f"{option('normalize', False)} for task arithmetic")
-        weights = [w / total for w in weights]
-    out_dtype = _dtypes.parse(dtype) if dtype else None
-    if out_dtype and not _dtypes.is_float(out_dtype):
-        raise UsageError(f"{option('dtype', dtype)}: the output of an average must be a floating-point dtype")
-
-    convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
-
-    def averaged(keypath: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> Any:
-        return averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
-
-    return combine_inputs(trees, names, non_float, averaged, "averaged")
-
-
-def combine_inputs(trees: list[Any], names: list[str], non_float: str,
-                   float_leaf: Callable[[tuple, str, list[_leaf.ArrayLeaf], AverageReport], Any], verb: str,
-                   checks: Sequence[Callable[[], None]] = ()) -> tuple[Any, AverageReport]:
-    """The tree of ``float_leaf(keypath, text, leaves, report)`` for the float array leaves
-    of same-structured inputs, and of their integer, bool and non-array leaves copied
-    (per ``non_float``). Structures are compared first, then ``checks`` run, before any
-    data is read."""
-    differences = _tree.structure_differences(trees, names)
-    if differences:
-        raise StructureError(f"the inputs differ in {counted(len(differences), 'leaf', 'leaves')}", details=differences)
-    for check in checks:
-        check()
-    report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
-    flats = [dict(_tree.flatten(t)) for t in trees]
-    mismatched: list[str] = []
-
-    def combine(keypath: tuple, first: Any) -> Any:
-        text = format_keypath(keypath)
-        leaves = [flat[keypath] for flat in flats]
-        if _leaf.is_array(first) and _dtypes.is_float(_leaf.as_leaf(first).dtype_name):
-            return float_leaf(keypath, text, [_leaf.as_leaf(x) for x in leaves], report)
-        report.copied.append(text)
-        if all(_equal(leaves[0], other) for other in leaves[1:]):
-            return first
-        if non_float == "error":
-            mismatched.append(f"{text}: {'; '.join(_preview(x) + ' in ' + n for x, n in zip(leaves, names))}")
-        report.differing.append(text)
-        return first if non_float == "first" else leaves[-1]
-
-    result = _tree.map_leaves(combine, trees[0])
-    if mismatched:
-        raise StructureError(
-            f"{len(mismatched)} integer, bool or non-array leaves differ between inputs and cannot be {verb} "
-            f"(use {option('non_float', 'last')} or 'first' to copy them from one input)",
-            details=mismatched,
-        )
-    return result, report
-
-
-def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,
-                   names: list[str], report: AverageReport, convex: bool) -> _leaf.ComputedLeaf:
-    import numpy as np
-
-    in_dtype = leaves[0].dtype
-    acc_dtype = _dtypes.accumulator(in_dtype)
-    out_np = _dtypes.numpy_dtype(_dtypes.name(out_dtype))
-    acc_weights = [acc_dtype.type(w) for w in weights]
-    # Finite inputs give finite outputs with convex weights into the inputs' own dtype; an
-    # output dtype of their own or other weights may overflow: counted, and said once a leaf.
-    may_overflow = (not convex or out_np != in_dtype) and out_np != acc_dtype
-
-    def fill_chunk(start: int, stop: int, out) -> None:
-        # Two threads take SUB_CHUNK blocks in turn (3 x 1 GiB, medians of 5: fp32 1.71 s
-        # on one thread vs 1.60 s on two; bf16, whose casts cost more, gains more).
-        stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
-
-    def fill(start: int, stop: int, out) -> None:
-        with scratch_buffers() as buffers:
-            fill_with(start, stop, out, *_typed(buffers, acc_dtype, in_dtype))
-
-    def fill_with(start: int, stop: int, out, acc, tmp, raw) -> None:
-        n = stop - start
-        for s in range(0, n, SUB_CHUNK):
-            e = min(n, s + SUB_CHUNK)
-            a, t, r = acc[: e - s], tmp[: e - s], raw[: e - s]
-            for i, (leaf, w) in enumerate(zip(leaves, acc_weights)):
-                leaf.read_into(start + s, start + e, r)
-                # The ufunc widens r to float64 in its own small buffers: one pass, exact products.
-                # (For bf16 that is ml_dtypes' cast: faster than widening with a shift first,
-                # 2.25 s vs 2.75 s median of 5 on 3 x 1 GiB once blocks are shared out.)
-                if i == 0:
-                    np.multiply(r, w, out=a)
-                else:
-                    np.multiply(r, w, out=t)
-                    a += t
-            if not np.isfinite(a).all():
-                _count_nonfinite_inputs(leaves, start + s, start + e, keypath, names, report)
-            with np.errstate(over="ignore"):  # (counted below, never NumPy's warning)
-                out[s:e] = a  # round to nearest even into the leaf's dtype
-            if may_overflow:
-                bad = int(np.count_nonzero(~np.isfinite(out[s:e].astype(acc_dtype))))
-                if bad:
-                    with report._lock:
-                        report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
-
-    return _leaf.ComputedLeaf(leaves[0].shape, out_np, fill=fill_chunk, inputs=leaves)
-
-
-_scratch = threading.local()
-
-
-@contextlib.contextmanager
-def scratch_buffers(count: int = 3, elements: int = SUB_CHUNK) -> Iterator[list]:
-    """``count`` work buffers of ``elements`` float64s (as bytes), reused by this thread from
-    chunk to chunk: fresh memory per step costs more than the arithmetic. (An average of
-    averages nests: each level takes its own set.) Pages a caller never touches are never
-    resident."""
-    import numpy as np
-
-    free = _scratch.__dict__.setdefault((count, elements), [])
-    buffers = free.pop() if free else [np.empty(elements * 8, np.uint8) for _ in range(count)]
-    try:
-        yield buffers
-    finally:
-        free.append(buffers)
-
-
-def _typed(buffers: list, acc_dtype, in_dtype) -> tuple:
-    """The scratch buffers as accumulator, product and raw input arrays."""
-    acc, tmp, raw = buffers
-    return acc.view(acc_dtype), tmp.view(acc_dtype), raw.view(in_dtype)[:SUB_CHUNK]
-
-
-def _count_nonfinite_inputs(leaves, start, stop, keypath, names, report) -> None:
-    import numpy as np
-
-    for leaf, name in zip(leaves, names):
-        values = leaf.read_flat(start, stop).astype(np.float64)
-        nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
-        if nan or inf:
-            with report._lock:
-                counts = report.nonfinite_inputs.setdefault((keypath, name), [0, 0])
-                counts[0] += nan
-                counts[1] += inf
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Bit-exact equality of two leaves (arrays chunk by chunk; NaN equals NaN for scalars)."""
-    if _leaf.is_array(a):
-        a, b = _leaf.as_leaf(a), _leaf.as_leaf(b)
-        return all(_diff.same_bytes(x, y) for x, y in stream.paired_chunks(a, b))
-    return _tree.values_equal(a, b)
-
-
-def _preview(value: Any) -> str:
-    if _leaf.is_array(value):
-        leaf = _leaf.as_leaf(value)
-        if leaf.size <= 4:
-            return str(leaf.read().tolist())
-        return _tree.describe_leaf(leaf) + " (values differ)"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return linear(trees, weights, names=names, normalize=normalize, dtype=dtype, non_float=non_float)

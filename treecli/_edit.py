@@ -38,6 +38,9 @@ class Edits:
     cast: list[str] = field(default_factory=list)
     scale: list[str] = field(default_factory=list)
     allow_reshape: bool = False
+    #: How a ``KEYPATH=@file.npy`` value is read: a file name to a lazy leaf (the library's
+    #: ``treecli.edit`` and the CLI give ``formats.npy.open_array``; operations read no files).
+    open_array: Callable[[Path], Any] | None = None
 
 
 def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
@@ -62,7 +65,7 @@ def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
     items = _delete(items, edits.delete, edits.set, report, origin, describe, what)
     leaves = dict(items)
     for text in edits.set:
-        _set(leaves, text, edits.allow_reshape, what, report)
+        _set(leaves, text, edits, what, report)
     for text in edits.cast:
         _cast(leaves, text, what, report)
     for text in edits.scale:
@@ -146,12 +149,12 @@ def _delete(items, patterns, sets, report, origin, describe, what):
 # --- set ------------------------------------------------------------------------------------
 
 
-def _set(leaves, text, allow_reshape, what, report):
+def _set(leaves, text, edits, what, report):
     target_text, value_text = _split(text, "set", "KEYPATH=VALUE")
     keypath = _resolve_one(leaves, target_text, "set")
     old = leaves[keypath]
     if value_text.startswith("@"):
-        new = _from_npy(Path(value_text[1:]), old, allow_reshape, target_text, report)
+        new = _from_npy(Path(value_text[1:]), old, edits, target_text, report)
     else:
         value = _parse_number(value_text, _errors.option("set", text))
         if _leaf.is_array(old):
@@ -192,32 +195,14 @@ def _same_value(value, stored, dtype_name) -> bool:
     return same and ((math.isnan(value.imag) and math.isnan(back.imag)) or back.imag == value.imag)
 
 
-def _from_npy(path: Path, old, allow_reshape, keypath, report):
-    from treecli.formats import open_checkpoint
-
-    import numpy as np
-
-    if not path.exists():
-        raise UsageError("no such file", file=str(path), keypath=keypath)
-    # Never a memory map, which a file truncated meanwhile turns into SIGBUS. No pickles, ever.
+def _from_npy(path: Path, old, edits, keypath, report):
+    if edits.open_array is None:
+        raise UsageError("a value from a file needs Edits(open_array=...), as treecli.edit gives", keypath=keypath)
     try:
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            _, fortran, dtype = read_header(f)
-        if fortran or dtype.byteorder == ">":  # (rare: read whole, in C order and native byte order)
-            array = _leaf.InMemoryLeaf(np.load(path, allow_pickle=False))
-        else:  # a one-record .npy checkpoint: the header now, the data by positional reads when asked
-            checkpoint = open_checkpoint(path, "eqx")
-            if len(checkpoint.tree) != 1:
-                raise UsageError(f"holds {len(checkpoint.tree)} .npy records, not one array", file=str(path),
-                                 keypath=keypath)
-            array = checkpoint.tree[0]
+        array = edits.open_array(path)
     except TreecliError as e:
-        raise UsageError(f"cannot read it as a .npy array: {e.message}", file=str(path), keypath=keypath) from None
-    except (ValueError, OSError, EOFError) as e:
-        raise UsageError(f"cannot read it as a .npy array: {e}", file=str(path), keypath=keypath) from None
+        raise e.with_keypath(keypath)
+    allow_reshape = edits.allow_reshape
     if old is None or not _leaf.is_array(old):
         return array
     old_leaf = _leaf.as_leaf(old)
@@ -250,7 +235,7 @@ def _cast(leaves, text, what, report):
 def cast_leaf(source, dtype_name, keypath, report):
     """A computed leaf: ``source`` cast to ``dtype_name``; finite values that overflow to inf
     are counted and reported in ``report.warnings`` when the last chunk is read."""
-    from treecli._average import SUB_CHUNK, scratch_buffers
+    from treecli._combine import SUB_CHUNK, scratch_buffers
     from treecli._bytes import stream
 
     check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)

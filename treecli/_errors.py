@@ -95,6 +95,13 @@ class TreecliError(Exception):
             self.args = (self.headline(),)
         return self
 
+    def with_keypath(self, keypath: str) -> "TreecliError":
+        """Attach the key path when the raiser did not know it; returns self."""
+        if self.keypath is None:
+            self.keypath = keypath
+            self.args = (self.headline(),)
+        return self
+
 
 class FormatError(TreecliError):
     """A file is not a valid checkpoint of its format (corrupt, truncated, hostile)."""

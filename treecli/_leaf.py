@@ -65,6 +65,12 @@ class ArrayLeaf:
         asked: what no output may replace while the leaf can still be read. None for data in memory."""
         return ()
 
+    @property
+    def in_local_file(self) -> bool:
+        """Whether its bytes lie as stored, in C order, at ``offset`` of a local file read by
+        ``reader``: then they can be compared without decoding (``stream.first_difference``)."""
+        return False
+
     def read_flat(self, start: int, stop: int):
         """Elements ``[start, stop)`` in C order, as a 1-d NumPy array."""
         raise NotImplementedError

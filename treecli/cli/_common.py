@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from treecli._errors import UsageError, counted
 from treecli.cli._output import Output
 from treecli.formats import WriteOptions, open_checkpoint, save
 from treecli.formats._base import Checkpoint
@@ -112,3 +114,22 @@ def written_json(written: str | Path | None, notes: Sequence[str], warnings: Seq
     the command was given, and its notes and warnings."""
     return {"output": None if written is None else str(written), **facts, "notes": list(notes),
             "warnings": list(warnings)}
+
+
+def parse_weights(text: str | None, count: int) -> list[float]:
+    """``"1,2,3"`` -> ``[1.0, 2.0, 3.0]``; equal weights when ``None``.
+
+    Raises:
+        UsageError: a weight that is not a finite number, or the wrong count.
+    """
+    if text is None:
+        return [1.0] * count
+    try:
+        weights = [float(w) for w in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise UsageError(f"--weights {text!r}: write numbers separated by commas, e.g. 1,2,3") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise UsageError(f"--weights {text!r}: every weight must be a finite number")
+    if len(weights) != count:
+        raise UsageError(f"--weights has {counted(len(weights), 'value')} for {counted(count, 'input')}")
+    return weights

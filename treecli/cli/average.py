@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, report_written, write_output, written_json
+from treecli.cli._common import open_input, parse_weights, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
@@ -47,7 +47,6 @@ def average(
         treecli average base ft_a ft_b --weights -1,1,1 --no-normalize -o merged.safetensors
     """
     from treecli._average import average as average_trees
-    from treecli._average import parse_weights
     from treecli._errors import UsageError
 
     out = Output(quiet=quiet)

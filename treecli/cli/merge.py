@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, report_written, write_output, written_json
+from treecli.cli._common import open_input, parse_weights, report_written, write_output, written_json
 from treecli.cli._complete import complete_methods
 from treecli.cli._output import Output
 
@@ -57,7 +57,6 @@ def merge(
         treecli merge --method dare_ties --base base ft_a ft_b --density 0.3 --seed 7 -o out
         treecli merge --method slerp --base a.safetensors b.safetensors --t 0.5 --t 'embed.**=0.3' -o out
     """
-    from treecli._average import parse_weights
     from treecli._merge import merge as merge_trees
 
     out = Output(quiet=quiet)

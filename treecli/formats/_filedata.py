@@ -10,6 +10,7 @@ from typing import Any
 
 from treecli import _dtypes, _index
 from treecli._bytes import Source
+from treecli._bytes.local import FileReader
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf
 
 
@@ -29,6 +30,10 @@ class FileArrayLeaf(ArrayLeaf):
     @property
     def sources(self) -> tuple[str, ...]:
         return (self.reader.path,)
+
+    @property
+    def in_local_file(self) -> bool:
+        return isinstance(self.reader, FileReader)
 
     def read_flat(self, start: int, stop: int):
         import numpy as np

@@ -9,7 +9,7 @@ from typing import Any
 from treecli import _dtypes, _leaf
 from treecli._bytes import stream
 from treecli._bytes.local import open_regular
-from treecli._errors import UsageError
+from treecli._errors import TreecliError, UsageError
 from treecli.formats import _npy, eqx
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 
@@ -48,3 +48,35 @@ class NpyFormat(Format):
     def stored_leaves(self, tree: Any, written: Any, like: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The one array, on both sides (it is stored without a name)."""
         return {"the array": tree}, {"the array": written[0]} if written else {}
+
+
+def open_array(path: Path) -> _leaf.ArrayLeaf:
+    """The one array of a ``.npy`` file as a lazy leaf (``edit --set KEYPATH=@file.npy``): the
+    header now, the data by positional reads when asked, never a memory map (which a file
+    truncated meanwhile turns into SIGBUS). Fortran-order and big-endian files, rare, are
+    read whole, in C order and native byte order. No pickles, ever.
+
+    Raises:
+        UsageError: no such file, or not one array of numbers.
+    """
+    import numpy as np
+
+    path = Path(path)
+    if not path.exists():
+        raise UsageError("no such file", file=str(path))
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            _, fortran, dtype = read_header(f)
+        if fortran or dtype.byteorder == ">":
+            return _leaf.InMemoryLeaf(np.load(path, allow_pickle=False))
+        records = eqx.open_records(path, None, format="npy").tree
+    except TreecliError as e:
+        raise UsageError(f"cannot read it as a .npy array: {e.message}", file=str(path)) from None
+    except (ValueError, OSError, EOFError) as e:
+        raise UsageError(f"cannot read it as a .npy array: {e}", file=str(path)) from None
+    if len(records) != 1:
+        raise UsageError(f"holds {len(records)} .npy records, not one array", file=str(path))
+    return records[0]
