@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from treecli._edit import Edits as _Edits
 from treecli._edit import at, edit
 from treecli._errors import KeyPathError, UsageError
-from treecli.formats.npy import open_array
+from treecli.formats import open_array
 
 from .conftest import BF16, assert_clean_error, bits, snapshot
 

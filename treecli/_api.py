@@ -177,7 +177,7 @@ def edit(tree: Any, edits: _edit.Edits) -> tuple[Any, Any]:
     """Rename, delete, set, cast and scale leaves of any pytree by key path; see
     ``treecli._edit.edit``. A result whose key paths changed (a rename or delete)
     comes back as nested dicts: the original type cannot hold them."""
-    from treecli.formats.npy import open_array
+    from treecli.formats import open_array
 
     native, structure = _pytree.to_native(tree)
     if edits.open_array is None:

@@ -65,7 +65,7 @@ def edit(
         raise UsageError("give either -o OUTPUT or --in-place, not both")
     if output is None and not in_place and not dry_run:
         raise UsageError("give -o OUTPUT, --in-place, or --dry-run")
-    from treecli.formats.npy import open_array
+    from treecli.formats import open_array
 
     edits = Edits(rename=rename or [], delete=delete or [], set=set_ or [], cast=cast or [], scale=scale or [],
                   allow_reshape=allow_reshape, open_array=open_array)

@@ -41,6 +41,13 @@ def get(name: str) -> Format:
     return getattr(importlib.import_module(module), cls)()
 
 
+def open_array(path: str | Path) -> Any:
+    """The one array of a ``.npy`` file as a lazy leaf (``edit --set KEYPATH=@file.npy``)."""
+    from treecli.formats import npy
+
+    return npy.open_array(Path(path))
+
+
 def detect(path: Path) -> Format:
     """The format of a file or directory, from its bytes or layout, then its extension.
 

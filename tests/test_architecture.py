@@ -1,0 +1,115 @@
+"""The layers of treecli, by intent (CONTRIBUTING.md), held by its imports, function-local
+ones included: cli -> _api (and presentation) -> operations -> formats -> _bytes -> core.
+An operation never imports a format or a concrete byte source, and sibling operations
+share engines, never each other."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "treecli"
+
+ENTRY = {"treecli", "treecli.__main__"}  # the public API's facade and `python -m treecli`: above everything
+CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._errors", "treecli._escape",
+        "treecli._units", "treecli._leaf", "treecli._tree", "treecli._pytree", "treecli._gc", "treecli._memory",
+        "treecli._atomic"}
+OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._edit",
+              "treecli._diff"}
+ENGINES = {"treecli._combine", "treecli._selection"}  # shared by operations
+API = {"treecli._api", "treecli._verify", "treecli._render"}
+CONCRETE_SOURCES = {"treecli._bytes.local", "treecli._bytes.http", "treecli._bytes.kvstore", "treecli._bytes.upload"}
+
+
+def layer(module: str) -> int:
+    if module in ENTRY:
+        return 6
+    if module.startswith("treecli.cli"):
+        return 5
+    if module in API:
+        return 4
+    if module in OPERATIONS or module in ENGINES:
+        return 3
+    if module.startswith("treecli.formats"):
+        return 2
+    if module.startswith("treecli._bytes"):
+        return 1
+    assert module in CORE, f"{module}: in no layer; add it to tests/test_architecture.py"
+    return 0
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Every treecli module and the treecli modules it imports, wherever in it."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                found.add(base)
+                # `from treecli import _tree` imports the module treecli._tree
+                found |= {f"{base}.{alias.name}" for alias in node.names
+                          if (PACKAGE.parent / f"{base}.{alias.name}".replace(".", "/")).with_suffix(".py").exists()
+                          or (PACKAGE.parent / f"{base}.{alias.name}".replace(".", "/")).is_dir()}
+        graph[module] = {m for m in found if m == "treecli" or m.startswith("treecli.")} - {module}
+    return graph
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    arrows = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target == "treecli":
+                continue
+            if layer(target) > layer(module):
+                arrows.append(f"{module} -> {target}: up from layer {layer(module)} to {layer(target)}")
+            elif module in OPERATIONS | ENGINES and target in CONCRETE_SOURCES:
+                arrows.append(f"{module} -> {target}: an operation reads through a concrete byte source")
+            elif module in OPERATIONS and target in OPERATIONS:
+                arrows.append(f"{module} -> {target}: sibling operations share engines, not each other")
+            elif module in ENGINES and target in OPERATIONS:
+                arrows.append(f"{module} -> {target}: an engine leans on an operation")
+            elif (target.startswith("treecli.formats.") and target != "treecli.formats._base"
+                  and not module.startswith("treecli.formats")):
+                arrows.append(f"{module} -> {target}: formats are reached through the registry (treecli.formats) "
+                              "and their contract (formats._base), never one format's module")
+    return arrows
+
+
+def test_no_import_goes_against_the_layers():
+    assert wrong_way(imports()) == []
+
+
+@pytest.mark.parametrize("module, target", [
+    ("treecli._diff", "treecli.formats._filedata"),  # an operation checking a format's leaf class
+    ("treecli.formats._outputs", "treecli._render"),  # storage importing presentation
+    ("treecli._merge", "treecli._average"),  # siblings leaning on each other
+    ("treecli._edit", "treecli._average"),
+    ("treecli.cli._common", "treecli.formats.safetensors"),  # the CLI reaching into one format
+    ("treecli._diff", "treecli._bytes.local"),  # an operation using a concrete source
+])
+def test_the_check_catches_each_wrong_way_arrow(module, target):
+    assert wrong_way({module: {target}}) != []
+
+
+@pytest.mark.parametrize("module, target", [
+    ("treecli._bytes.stream", "treecli._leaf"), ("treecli._merge", "treecli._combine"),
+    ("treecli.cli.edit", "treecli.formats"), ("treecli._verify", "treecli.formats._base"),
+    ("treecli.formats.orbax", "treecli.formats.msgpack"), ("treecli._diff", "treecli._bytes.stream"),
+])
+def test_the_check_lets_downward_arrows_be(module, target):
+    assert wrong_way({module: {target}}) == []
