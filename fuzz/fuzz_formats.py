@@ -92,7 +92,7 @@ def reference(data: bytes, ours: dict) -> dict | None:
 
 def read_both_ways(data: bytes) -> None:
     """The typed (msgspec) and exact readings of a header, and of its JSON as an index, agree."""
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     def outcome(parse, typed_from):
         safetensors._TYPED_FROM = typed_from

@@ -207,7 +207,7 @@ def test_big_header_decoding_reads_every_header_as_the_exact_parser_does(tmp_pat
     """Big headers are decoded by msgspec, typed (a 200k-tensor header: 0.8 -> 0.4 s); what
     that would read differently (a dict keeps the last of a key given twice) must go the
     exact way, with the same tensors, metadata and errors."""
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     if name in SNEAKY:
         header, data_bytes = SNEAKY[name]
@@ -249,7 +249,7 @@ INDEXES = [
 def test_big_index_decoding_reads_every_index_as_the_exact_parser_does(monkeypatch, text):
     """Big shard indexes (an MoE model's: 90k tensors) are decoded by msgspec where that reads
     them as the exact parser would: keys given twice anywhere, -0 and escapes go the exact way."""
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     def outcome():
         try:
@@ -282,7 +282,7 @@ def _json_objects(draw, depth=0):
 @given(header=_json_objects(), data_bytes=st.sampled_from([0, 4, 8, 12]))
 def test_typed_header_decoding_never_reads_a_header_otherwise_than_the_exact_parser(tmp_path_factory, header,
                                                                                      data_bytes):
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     content = raw_safetensors(header, b"\0" * data_bytes)
     size = len(content)
@@ -308,7 +308,7 @@ def test_typed_header_decoding_never_reads_a_header_otherwise_than_the_exact_par
 
 
 def test_a_big_sharded_checkpoint_opens_typed_as_it_opens_exactly(tmp_path, monkeypatch):
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     directory = tmp_path / "moe"
     directory.mkdir()
@@ -334,7 +334,7 @@ def test_a_big_sharded_checkpoint_opens_typed_as_it_opens_exactly(tmp_path, monk
 
 
 def test_a_big_header_is_decoded_typed_and_reads_as_the_exact_parser_does(tmp_path, monkeypatch):
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     tensors = {f"model.layers.{i}.w": np.full((2, 3), i, np.float16) for i in range(2_000)}
     path = tmp_path / "big.safetensors"
@@ -587,7 +587,7 @@ def test_a_minus_starting_a_number_is_found_however_many_dashes_there_are(text, 
     """A ``-`` first or after ``[``, ``,``, ``:`` or white space sends a big header the exact
     way; dashes elsewhere (an index's ``model-00001-of-00163`` names, 280k of them) do not.
     Few dashes are looked at one by one, many in one regex pass: both ways alike."""
-    from treecli.formats import safetensors
+    from treecli.formats import _safetensors_header as safetensors
 
     expected = re.search(r"(?:^|[\[,: \t\r\n])-", text) is not None
     saved, safetensors.DASHES_FOR_REGEX = safetensors.DASHES_FOR_REGEX, dashes_for_regex

@@ -188,11 +188,11 @@ def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:
 
 
 def _read_header(place: Any, path: str, name: str) -> tuple[Any, tuple]:
-    from treecli.formats import safetensors
+    from treecli.formats._safetensors_header import parse_header
 
     reader = place.reader(path, name)
     size = reader.size if reader.size is not None else reader.check_end
-    return reader, safetensors.parse_header(reader.read, size, name)
+    return reader, parse_header(reader.read, size, name)
 
 
 def _open_sharded(url: str, place: Any, text: str) -> Checkpoint:
