@@ -267,9 +267,9 @@ def test_convert_verifies_the_temporary_so_a_mismatch_keeps_the_old_output(cli, 
     save_file(weights(), str(src))
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"the previous output")
-    from treecli._bytes import stream
+    from treecli._bytes import writer
 
-    original = stream.write_leaf
+    original = writer.write_leaf
 
     def corrupting(f, leaf, **kwargs):
         original(f, leaf, **kwargs)
@@ -277,7 +277,7 @@ def test_convert_verifies_the_temporary_so_a_mismatch_keeps_the_old_output(cli, 
             f.seek(-1, os.SEEK_CUR)
             f.write(b"\x7f")
 
-    monkeypatch.setattr(stream, "write_leaf", corrupting)
+    monkeypatch.setattr(writer, "write_leaf", corrupting)
     result = cli("convert", src, out, "--force", "-q")
     assert_clean_error(result, "verification failed")
     assert "pooler.b" in result.stderr
@@ -294,7 +294,7 @@ def test_an_output_leaves_the_cache_as_it_is_written_and_a_verified_one_is_read_
     (fresh page-cache pages cost this VM up to 2 s per GiB). A verified output's bytes are read
     back from the cache a window at a time, each byte once and before its window is dropped;
     the check then reads nothing of the output again."""
-    from treecli._bytes import stream
+    from treecli._bytes import writer
 
     src = tmp_path / "m.safetensors"
     save_file({f"layer.{i}": np.full(4096, i, np.float32) for i in range(16)}, str(src))
@@ -316,7 +316,7 @@ def test_an_output_leaves_the_cache_as_it_is_written_and_a_verified_one_is_read_
             events.append(("read", offset, n))
         return n
 
-    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 4096)
     monkeypatch.setattr(os, "posix_fadvise", hint)
     monkeypatch.setattr(os, "preadv", preadv)
     result = cli("convert", src, out, *([] if verified else ["--no-verify"]), "-q")
@@ -346,14 +346,14 @@ def test_an_output_leaves_the_cache_as_it_is_written_and_a_verified_one_is_read_
 def test_verification_catches_bytes_changed_in_a_window_before_it_is_read_back(cli, tmp_path, monkeypatch):
     """Bytes of the output that change between their writing and their reading back (a stray
     write, a reused buffer) fail the check, named by their leaf; the old output stays."""
-    from treecli._bytes import stream
+    from treecli._bytes import writer
 
     src = tmp_path / "m.safetensors"
     save_file({f"layer.{i}": np.full(8192, i, np.float32) for i in range(4)}, str(src))
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"the previous output")
     calls = []
-    original = stream.Writeback.__call__
+    original = writer.Writeback.__call__
 
     def meddling(self):
         calls.append(1)
@@ -362,8 +362,8 @@ def test_verification_catches_bytes_changed_in_a_window_before_it_is_read_back(c
             os.pwrite(os.open(self._f.name, os.O_WRONLY), b"\x7f", self._f.tell() - 100)
         return original(self)
 
-    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 4096)
-    monkeypatch.setattr(stream.Writeback, "__call__", meddling)
+    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(writer.Writeback, "__call__", meddling)
     result = cli("convert", src, out, "--force", "-q")
     assert_clean_error(result, "verification failed")
     assert "layer.1" in result.stderr and "layer.2" not in result.stderr
@@ -557,7 +557,7 @@ def _fail(*args, **kwargs):
 
 
 @pytest.mark.parametrize("fmt,patch", [
-    ("safetensors", ("treecli._bytes.stream", "write_leaf")),
+    ("safetensors", ("treecli._bytes.writer", "write_leaf")),
     ("sharded", ("treecli.formats.safetensors", "_write_index")),
     ("npz", ("numpy.lib.format", "write_array_header_1_0")),
     ("msgpack", ("msgpack", "packb")),

@@ -442,13 +442,13 @@ def test_many_small_leaves_are_written_without_rehinting_or_thread_hand_offs(tmp
     import os
     import threading
 
-    from treecli._bytes import stream
+    from treecli._bytes import writer
 
     path = tmp_path / "many.safetensors"
     tensors = {f"t.{i}": np.full(64, i, np.float32) for i in range(300)}
     save_file(tensors, str(path))
     hints, reader_threads = [], set()
-    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 4096)
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length)))
     (leaf_class,) = {type(leaf) for _, leaf in _tree.flatten(treecli.load(path))}
     read_flat = leaf_class.read_flat

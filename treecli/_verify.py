@@ -33,7 +33,7 @@ class Verifier:
     with the temporary. The output is opened by its own reader, and its names, shapes and
     dtypes compared with the tree's. Its bytes: the writer records the digest of what it was
     given for each leaf in ``digests`` (by the leaf's ``id``) and reads the output back as it
-    writes it, into ``readback`` (:class:`stream.ReadBack`); each leaf of the output, where its
+    writes it, into ``readback`` (:class:`writer.ReadBack`); each leaf of the output, where its
     reader finds it, must hold bytes of that digest. A leaf not recorded so (an Orbax
     output's, or where the reader finds another place than the writer's) is read again:
     from the output, and from the source unless its digest was recorded.
@@ -48,9 +48,9 @@ class Verifier:
         self._tree, self._fmt, self._dropped_allowed = tree, fmt, dropped_allowed
         self._progress, self._like = progress, like
         self.digests: dict[int, tuple[Any, tuple[int, int, int]]] = {}  # id(leaf): (leaf, digest)
-        from treecli._bytes import stream
+        from treecli._bytes import writer
 
-        self.readback = stream.ReadBack()
+        self.readback = writer.ReadBack()
 
     def __call__(self, written_path: Path) -> None:
         from treecli.formats import open_checkpoint
@@ -107,12 +107,12 @@ class Verifier:
         """The digest of ``output``'s bytes (a leaf of the written file, where its reader finds
         it): as read back while it was written, where the writer put a leaf of its size just
         there; else read now."""
-        from treecli._bytes import stream
+        from treecli._bytes import writer
 
         identity = getattr(getattr(output, "reader", None), "identity", None)
         digest = (self.readback.leaves.get((*identity[:2], output.offset, output.nbytes)) if identity is not None
                   else None)
-        return digest.value() if digest is not None else stream.digest_of(output, recorded[2])
+        return digest.value() if digest is not None else writer.digest_of(output, recorded[2])
 
     def _digest(self, source: Any) -> tuple[int, int, int] | None:
         entry = self.digests.get(id(source))

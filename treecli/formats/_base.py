@@ -93,20 +93,20 @@ class WriteOptions:
     #: Called with the number of bytes written after each chunk (progress bars).
     progress: Callable[[int], None] | None = None
     #: Where writers record the digests of the leaves they write, for a verification (see
-    #: ``stream.write_leaf``); None: not recorded.
+    #: ``writer.write_leaf``); None: not recorded.
     digests: dict[int, tuple[Any, tuple[int, int, int]]] | None = None
-    #: A ``stream.ReadBack`` for a verified output: each file's writer reads it back as it
-    #: writes it (through its ``stream.Writeback``); None: not read back.
+    #: A ``writer.ReadBack`` for a verified output: each file's writer reads it back as it
+    #: writes it (through its ``writer.Writeback``); None: not read back.
     readback: Any = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
 
     def writeback(self, f: Any) -> Any:
-        """The ``stream.Writeback`` of an output file open for writing as ``f``, reading it
+        """The ``writer.Writeback`` of an output file open for writing as ``f``, reading it
         back as it is written when the output is verified."""
-        from treecli._bytes import stream
+        from treecli._bytes import writer
 
-        return stream.Writeback(f, self.readback.file(f) if self.readback is not None else None)
+        return writer.Writeback(f, self.readback.file(f) if self.readback is not None else None)
 
 
 class Format:

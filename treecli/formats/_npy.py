@@ -105,13 +105,13 @@ def write(f: BinaryIO, leaf: Any, head: bytes, *, file: str, keypath: str = "",
           writeback: Callable[[], None] | None = None, progress: Callable[[int], None] | None = None,
           digests: dict | None = None, checksum: Any = None) -> None:
     """Write an array leaf as one record, as ``np.save`` lays it out: ``head`` (its
-    :func:`header`), then the data in C order, streamed by ``_bytes.stream.write_leaf``
+    :func:`header`), then the data in C order, streamed by ``_bytes.writer.write_leaf``
     (``writeback``, ``progress``, ``digests`` and ``checksum`` as there; the checksum takes
     in the header too)."""
-    from treecli._bytes import stream
+    from treecli._bytes import writer
 
     f.write(head)
     if checksum is not None:
         checksum.update(head)
-    stream.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress, digests=digests,
+    writer.write_leaf(f, leaf, file=file, keypath=keypath, writeback=writeback, progress=progress, digests=digests,
                       checksum=checksum)

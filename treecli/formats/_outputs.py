@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _atomic, _tree
-from treecli._bytes import stream
+from treecli._bytes import writer
 from treecli._bytes.local import special_kind
 from treecli._errors import TreecliError, UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, Format, WriteOptions
@@ -134,7 +134,7 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
                     shutil.copy2(companion, built / companion.name)
             if verify:
                 verify(built)
-                stream.drop_cached(built)
+                writer.drop_cached(built)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
@@ -142,7 +142,7 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
         fmt.write(tree, tmp, options)
         if verify:
             verify(tmp)
-            stream.drop_cached(tmp)
+            writer.drop_cached(tmp)
 
 
 def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:

@@ -13,7 +13,7 @@ import contextlib
 import struct
 from typing import BinaryIO, Iterator
 
-from treecli._bytes.stream import Digest
+from treecli._bytes.writer import Digest
 from treecli._errors import TreecliError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _dtypes, _leaf, _pytree, _tree
-from treecli._bytes import stream
+from treecli._bytes import writer
 from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, counted, option
 from treecli._keypath import KeyPath, format_keypath
@@ -131,7 +131,7 @@ def _named(records: list[FileArrayLeaf], like: _pytree.Structure, file: str) -> 
 
 def _write(tree: Any, target: Path, options: WriteOptions) -> None:
     entries = records(tree, options, str(target))  # (refused before a byte is written)
-    with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
+    with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
         writeback = options.writeback(f)
         for key, leaf in entries:
             # np.save's record, byte for byte: jnp.save writes bfloat16 as '<V2' the same way.

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _dtypes, _leaf
-from treecli._bytes import stream
+from treecli._bytes import writer
 from treecli._bytes.local import open_regular
 from treecli._errors import TreecliError, UsageError
 from treecli.formats import _npy, eqx
@@ -41,7 +41,7 @@ class NpyFormat(Format):
             raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
                              "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",
                              file=str(target))
-        with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
+        with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
             _npy.write(f, leaf, _npy.header(leaf), file=str(target), writeback=options.writeback(f),
                        progress=options.progress, digests=options.digests)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from treecli import _dtypes, _leaf, _memory
-from treecli._bytes import stream
+from treecli._bytes import writer
 from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError, RefusedError, TreecliError, counted, option
 from treecli._keypath import format_keypath
@@ -333,7 +333,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
         except ValueError as e:
             raise TreecliError(f"npz cannot hold this key: {e}", file=str(target), keypath=key[:60] + "...") from None
     real_dtypes = {}
-    with open(target, "wb", buffering=stream.WRITE_BUFFER) as f:
+    with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
         archive = _zip.StoredZip(f, _FIXED_TIME)
         writeback = options.writeback(f)
         for key, leaf in entries:

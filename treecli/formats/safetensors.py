@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _atomic, _leaf
-from treecli._bytes import stream
+from treecli._bytes import writer
 from treecli._bytes.local import FileReader, open_regular, read_text
 from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
@@ -277,7 +277,7 @@ def _describe(value: Any) -> str:
 
 def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
     head = _encode_header(entries, metadata)
-    with open(path, "wb", buffering=stream.WRITE_BUFFER) as f:
+    with open(path, "wb", buffering=writer.WRITE_BUFFER) as f:
         _write_stream(f, head, entries, str(path), options, options.writeback(f))
         f.flush()
         os.fsync(f.fileno())
@@ -302,10 +302,10 @@ def _encode_header(entries: list[tuple[str, Any]], metadata: dict[str, Any]) -> 
 
 
 def _write_stream(f: Any, head: bytes, entries: list[tuple[str, Any]], file: str, options: WriteOptions,
-                  writeback: stream.Writeback | None = None) -> None:
+                  writeback: writer.Writeback | None = None) -> None:
     f.write(head)
     for key, leaf in entries:
-        stream.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress,
+        writer.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress,
                           digests=options.digests)
 
 
