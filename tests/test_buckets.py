@@ -500,9 +500,9 @@ def test_an_orbax_checkpoint_written_to_a_bucket_reads_back_and_is_replaced_whol
 
 
 def test_an_oversized_index_object_is_refused_without_being_read_whole(clouds_fresh, cli, monkeypatch):
-    from treecli.formats import _remote
+    from treecli.formats import _folder
 
-    monkeypatch.setattr(_remote, "MAX_INDEX_BYTES", 1024)  # a real index is far below the real limit
+    monkeypatch.setattr(_folder, "MAX_TEXT_BYTES", 1024)  # a real index is far below the real limit
     url = f"s3://{BUCKET}/huge-index"
     clouds_fresh.put(f"{url}/model.safetensors.index.json", b" " * (1 << 20))
     clouds_fresh.counting.reset()

@@ -1,6 +1,7 @@
-"""A checkpoint directory, local, a key prefix in an S3 or GCS bucket, or a URL: what the
-directory formats (Orbax) ask of one — which files and subdirectories it holds,
-a small file's text, and the TensorStore kvstore spec of a file or subdirectory.
+"""A place that holds a checkpoint: a local directory, a key prefix in an S3 or GCS
+bucket, or an HTTP(S) directory (a Hub repository). What formats ask of one: which
+files and subdirectories it holds, a small file's text, a byte source for a file, and
+the TensorStore kvstore spec of a file or subdirectory.
 
 A bucket's keys under the prefix are listed once, when it is opened, and the
 answers come from that list: a CheckpointManager root costs one listing, not a
@@ -40,10 +41,22 @@ class LocalFolder:
         except OSError:
             return []
 
+    def named(self, name: str) -> str:
+        return str(self.path / name)
+
     def read_text(self, name: str) -> str:
         from treecli._bytes.local import read_text
 
         return read_text(self.path / name)
+
+    def text(self, name: str) -> str | None:
+        """A small file's text, or None if there is no such file."""
+        return self.read_text(name) if self.is_file(name) else None
+
+    def reader(self, name: str) -> Any:
+        from treecli._bytes.local import FileReader
+
+        return FileReader(str(self.path / name))
 
     def kvstore(self, name: str = "") -> dict[str, Any]:
         return {"driver": "file", "path": os.path.abspath(self.path / name) + ("/" if name else "")}
@@ -58,11 +71,20 @@ class LocalFolder:
 class BucketFolder:
     listable = True
 
-    def __init__(self, url: str, store: Any, spec: dict[str, Any], keys: frozenset[str]):
+    def __init__(self, url: str, store: Any, spec: dict[str, Any], keys: frozenset[str] | None):
         self.name = url.rstrip("/")
         self._store = store  # opened at the bucket's root; ``spec["path"]`` is this folder's prefix
         self._spec = spec
-        self.keys = keys  # every key under the prefix, relative to it
+        self.keys = keys  # every key under the prefix, relative to it; None: not listed
+
+    @classmethod
+    def unlisted(cls, url: str, store: Any, prefix: str) -> "BucketFolder":
+        """The folder at ``url`` (key prefix ``prefix``) without listing it: for reading files
+        named already (a .safetensors object and its shards)."""
+        from treecli._bytes import kvstore
+
+        scheme, bucket, _ = kvstore.split_url(url)
+        return cls(url, store, {**kvstore.spec(scheme, bucket), "path": prefix}, None)
 
     @classmethod
     def open(cls, url: str, store: Any = None) -> "BucketFolder":
@@ -87,23 +109,38 @@ class BucketFolder:
 
     def child(self, name: str) -> "BucketFolder":
         inner = name.rstrip("/") + "/"
-        keys = frozenset(k[len(inner):] for k in self.keys if k.startswith(inner))
+        keys = None if self.keys is None else frozenset(k[len(inner):] for k in self.keys if k.startswith(inner))
         return BucketFolder(f"{self.name}/{name}", self._store, {**self._spec, "path": self._spec["path"] + inner},
                             keys)
 
+    def named(self, name: str) -> str:
+        return f"{self.name}/{name}"
+
     def is_file(self, name: str) -> bool:
-        return name in self.keys
+        return name in self.keys if self.keys is not None else self.text(name) is not None
 
     def subfolders(self) -> list[str]:
         return sorted({k.split("/", 1)[0] for k in self.keys if "/" in k})
 
     def read_text(self, name: str) -> str:
-        from treecli._bytes import kvstore
-
-        text = kvstore.read_text(self._store, self._spec["path"] + name, f"{self.name}/{name}", MAX_TEXT_BYTES)
+        text = self.text(name)
         if text is None:
             raise FormatError("not found (deleted while it was read?)", file=f"{self.name}/{name}")
         return text
+
+    def text(self, name: str) -> str | None:
+        """A small object's text, or None if there is no such object."""
+        from treecli._bytes import kvstore
+
+        return kvstore.read_text(self._store, self._spec["path"] + name, f"{self.name}/{name}", MAX_TEXT_BYTES)
+
+    def reader(self, name: str) -> Any:
+        """An object as a byte source, its size and generation learnt."""
+        from treecli._bytes import kvstore
+
+        reader = kvstore.KvstoreReader(self._store, self._spec["path"] + name, f"{self.name}/{name}")
+        reader.start()
+        return reader
 
     def kvstore(self, name: str = "") -> dict[str, Any]:
         return {**self._spec, "path": self._spec["path"] + (name.rstrip("/") + "/" if name else "")}
@@ -119,18 +156,31 @@ class HttpFolder:
 
     listable = False
 
-    def __init__(self, url: str, base: str, headers: dict[str, str], texts: dict[str, str | None] | None = None):
+    def __init__(self, url: str, base: str, headers: dict[str, str], texts: dict[str, str | None] | None = None,
+                 files: dict[str, str] | None = None):
         self.name = url.rstrip("/")
         self._base = base if base.endswith("/") else base + "/"
         self._headers = headers
         self._texts = {} if texts is None else texts  # by URL, shared with its children: each fetched once
+        self._files = files or {}  # a name -> the exact URL the user gave for it (a query string and all)
 
     def child(self, name: str) -> "HttpFolder":
         return HttpFolder(f"{self.name}/{name}", self._base + urllib.parse.quote(name) + "/", self._headers,
                           self._texts)
 
+    def named(self, name: str) -> str:
+        return f"{self.name}/{name}"
+
     def is_file(self, name: str) -> bool:
-        return self._text(name) is not None
+        return self.text(name) is not None
+
+    def reader(self, name: str) -> Any:
+        """A file as a byte source, its size, identity and final location learnt."""
+        from treecli._bytes.http import HttpReader
+
+        reader = HttpReader(self._url(name), self._headers, self.named(name))
+        reader.start()
+        return reader
 
     def subfolders(self) -> list[str]:
         """A step's items, from its metadata; other directories cannot be listed."""
@@ -143,7 +193,7 @@ class HttpFolder:
         return sorted(name for name in handlers if isinstance(name, str)) if isinstance(handlers, dict) else []
 
     def read_text(self, name: str) -> str:
-        text = self._text(name)
+        text = self.text(name)
         if text is None:
             raise FormatError("not found (HTTP 404)", file=f"{self.name}/{name}")
         return text
@@ -159,8 +209,12 @@ class HttpFolder:
     def inside(self, name: str) -> str | None:
         return _relative_inside(name)
 
-    def _text(self, name: str) -> str | None:
-        url = self._base + urllib.parse.quote(name)
+    def _url(self, name: str) -> str:
+        return self._files.get(name) or self._base + urllib.parse.quote(name)
+
+    def text(self, name: str) -> str | None:
+        """A small file's text (fetched once), or None if the server has none."""
+        url = self._url(name)
         if url not in self._texts:
             from treecli._bytes import small_text
             from treecli._bytes.http import get_small

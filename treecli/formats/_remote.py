@@ -20,12 +20,11 @@ import threading
 import urllib.parse
 from typing import Any
 
-from treecli._bytes import kvstore, small_text
-from treecli._bytes.http import HttpReader, NotFoundError, get_small
+from treecli._bytes import kvstore
+from treecli._bytes.http import NotFoundError
 from treecli._errors import FormatError, UsageError
 from treecli.formats._base import Checkpoint
 
-MAX_INDEX_BYTES = 64 << 20
 CONCURRENT_SHARDS = 16  # headers of a sharded repository fetched at once
 
 
@@ -52,47 +51,6 @@ def _headers(url: str) -> dict[str, str]:
     return headers
 
 
-# --- where the files are: a Hub or HTTP directory, or a bucket prefix ----------------------------
-
-
-class _HttpPlace:
-    """Files under an HTTP(S) base URL (a Hub repository's resolve URL); ``files`` maps
-    a name to the exact URL the user gave for it (a query string and all)."""
-
-    def __init__(self, url: str, base: str, headers: dict[str, str], files: dict[str, str]):
-        self.url, self._base, self._headers, self._files = url, base, headers, files
-
-    def name(self, path: str) -> str:
-        return f"{self.url}/{path}"
-
-    def text(self, path: str, name: str) -> str | None:
-        url = self._files.get(path) or self._base + urllib.parse.quote(path)
-        return small_text(get_small(url, self._headers, name, MAX_INDEX_BYTES), MAX_INDEX_BYTES, name, "shard index")
-
-    def reader(self, path: str, name: str) -> Any:
-        reader = HttpReader(self._files.get(path) or self._base + urllib.parse.quote(path), self._headers, name)
-        reader.start()
-        return reader
-
-
-class _BucketPlace:
-    """Objects under a key prefix of an S3 or GCS bucket, through TensorStore."""
-
-    def __init__(self, url: str, store: Any, prefix: str):
-        self.url, self._store, self._prefix = url, store, prefix
-
-    def name(self, path: str) -> str:
-        return f"{self.url.rstrip('/')}/{path}"
-
-    def text(self, path: str, name: str) -> str | None:
-        return kvstore.read_text(self._store, self._prefix + path, name, MAX_INDEX_BYTES)
-
-    def reader(self, path: str, name: str) -> Any:
-        reader = kvstore.KvstoreReader(self._store, self._prefix + path, name)
-        reader.start()
-        return reader
-
-
 # --- opening -------------------------------------------------------------------------------------
 
 
@@ -100,15 +58,17 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
     """A remote safetensors file or sharded repository, its headers read and validated
     as a local file's are (several shards' at once), its leaves lazy byte ranges; or an
     Orbax checkpoint, read through TensorStore's kvstore drivers as a local one is."""
+    from treecli.formats._folder import BucketFolder, HttpFolder
+
     if format not in (None, "safetensors", "orbax"):
         raise UsageError(f"treecli reads safetensors and Orbax checkpoints from URLs, not {format}", file=url)
-    wants_orbax = format == "orbax" or step is not None
+    names_a_file = format != "orbax" and step is None
     if url.startswith(kvstore.SCHEMES):
         store, key = kvstore.open_store(url)
-        if not key.endswith((".safetensors", ".index.json")) or wants_orbax:
-            return _open_bucket_directory(url, store, key, format, step)
-        folder, _, path = key.rpartition("/")
-        place: Any = _BucketPlace(url.rsplit("/", 1)[0], store, folder + "/" if folder else "")
+        if not (key.endswith((".safetensors", ".index.json")) and names_a_file):
+            return _open_directory(url, BucketFolder.open(url, store), format, step)
+        parent, _, path = key.rpartition("/")
+        folder: Any = BucketFolder.unlisted(url.rsplit("/", 1)[0], store, parent + "/" if parent else "")
     else:
         headers = _headers(url)
         if url.startswith("hf://"):
@@ -117,60 +77,47 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
             parts = urllib.parse.urlsplit(url)
             base = urllib.parse.urlunsplit(parts._replace(path="/", query="", fragment=""))
             inner = parts.path.lstrip("/")
-        folder, _, path = inner.rstrip("/").rpartition("/")
-        if not path.endswith((".safetensors", ".index.json")) or wants_orbax:
-            return _open_http_directory(url, base + inner.rstrip("/") + "/" if inner.strip("/") else base, headers,
-                                        format, step)
-        shown = url.rsplit("/", 1)[0]
+        parent, _, path = inner.rstrip("/").rpartition("/")
+        if not (path.endswith((".safetensors", ".index.json")) and names_a_file):
+            directory = base + inner.rstrip("/") + "/" if inner.strip("/") else base
+            return _open_directory(url, HttpFolder(url, directory, headers), format, step)
         exact = {} if url.startswith("hf://") else {urllib.parse.unquote(path): url}  # a query string and all
-        place = _HttpPlace(shown, base + (folder + "/" if folder else ""), headers, exact)
+        folder = HttpFolder(url.rsplit("/", 1)[0], base + (parent + "/" if parent else ""), headers, files=exact)
         path = urllib.parse.unquote(path)
     if path.endswith(".index.json"):
-        text = place.text(path, url)
+        text = folder.text(path)
         if text is None:
             raise FormatError("not found", file=url)
-        return _open_sharded(url, place, text)
-    return _open_file(url, _read_header(place, path, url))
+        return _open_sharded(url, folder, text)
+    return _open_file(url, _read_header(folder, path))
 
 
-def _open_http_directory(url: str, base: str, headers: dict[str, str], format: str | None,
-                         step: int | None) -> Checkpoint:
-    """A Hub repository or an HTTP directory: its shard index, else its model.safetensors,
-    else an Orbax checkpoint in it."""
+INDEX = "model.safetensors.index.json"
+
+
+def _open_directory(url: str, folder: Any, format: str | None, step: int | None) -> Checkpoint:
+    """A Hub repository, an HTTP directory or a bucket prefix, as an HF directory is read:
+    its shard index, else its model.safetensors, else an Orbax checkpoint in it."""
     from treecli.formats import orbax
-    from treecli.formats._folder import HttpFolder
 
     if format != "orbax" and step is None:
-        place = _HttpPlace(url.rstrip("/"), base, headers, {})
-        text = place.text("model.safetensors.index.json", url)
+        text = folder.text(INDEX)
         if text is not None:
-            return _open_sharded(url, place, text)
-        try:
-            return _open_file(url, _read_header(place, "model.safetensors", place.name("model.safetensors")))
-        except NotFoundError:
-            if format == "safetensors":
-                raise
-    folder = HttpFolder(url, base, headers)
-    if step is None and not orbax.is_checkpoint(folder):
-        raise FormatError("no checkpoint here: no shard index, model.safetensors or Orbax checkpoint (an HTTP "
-                          "directory cannot be listed: name a CheckpointManager step with --step)", file=url)
-    return orbax.open_folder(folder, step)
-
-
-def _open_bucket_directory(url: str, store: Any, key: str, format: str | None, step: int | None) -> Checkpoint:
-    from treecli.formats import orbax
-    from treecli.formats._folder import BucketFolder
-
-    folder = BucketFolder.open(url, store)
-    if format != "orbax" and step is None:
-        place = _BucketPlace(url.rstrip("/"), store, key.strip("/") + "/" if key.strip("/") else "")
-        if folder.is_file("model.safetensors.index.json"):
-            return _open_sharded(url, place, place.text("model.safetensors.index.json", url) or "")
-        if folder.is_file("model.safetensors"):
-            return _open_file(url, _read_header(place, "model.safetensors", place.name("model.safetensors")))
-    if format == "safetensors" or not orbax.is_checkpoint(folder):
-        raise FormatError("no checkpoint here: no model.safetensors, shard index, or Orbax checkpoint "
-                          f"({len(folder.subfolders())} subdirectories)", file=url)
+            return _open_sharded(url, folder, text)
+        if folder.listable:
+            if folder.is_file("model.safetensors"):
+                return _open_file(url, _read_header(folder, "model.safetensors"))
+        else:  # (asked for: an HTTP directory cannot be listed)
+            try:
+                return _open_file(url, _read_header(folder, "model.safetensors"))
+            except NotFoundError:
+                if format == "safetensors":
+                    raise
+    if format == "safetensors" or (step is None and not orbax.is_checkpoint(folder)):
+        how = (f"{len(folder.subfolders())} subdirectories" if folder.listable else
+               "an HTTP directory cannot be listed: name a CheckpointManager step with --step")
+        raise FormatError(f"no checkpoint here: no shard index, model.safetensors or Orbax checkpoint ({how})",
+                          file=url)
     return orbax.open_folder(folder, step)
 
 
@@ -187,15 +134,15 @@ def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:
     return checkpoint
 
 
-def _read_header(place: Any, path: str, name: str) -> tuple[Any, tuple]:
+def _read_header(folder: Any, path: str) -> tuple[Any, tuple]:
     from treecli.formats._safetensors_header import parse_header
 
-    reader = place.reader(path, name)
+    reader = folder.reader(path)
     size = reader.size if reader.size is not None else reader.check_end
-    return reader, parse_header(reader.read, size, name)
+    return reader, parse_header(reader.read, size, folder.named(path))
 
 
-def _open_sharded(url: str, place: Any, text: str) -> Checkpoint:
+def _open_sharded(url: str, folder: Any, text: str) -> Checkpoint:
     """The index, then every shard's header at once: one round trip of latency, not one per shard."""
     from treecli.formats import safetensors
 
@@ -206,7 +153,7 @@ def _open_sharded(url: str, place: Any, text: str) -> Checkpoint:
     def fetch(shard: str) -> None:
         with slots:
             try:
-                results[shard] = _read_header(place, shard, place.name(shard))
+                results[shard] = _read_header(folder, shard)
             except BaseException as e:  # handed to the caller's thread
                 results[shard] = e
 
