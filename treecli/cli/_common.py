@@ -53,10 +53,12 @@ def write_output(
     drop_unsupported: bool = False,
     metadata: dict[str, Any] | None = None,
     verify: Callable[[Path], None] | None = None,
+    decided: tuple[Any, bool] | None = None,
 ) -> str | Path:
     """Write a tree the way every command does: atomically, streaming, with a progress bar.
 
-    ``in_place`` rewrites ``source`` where it lies (``target`` is then None).
+    ``in_place`` rewrites ``source`` where it lies (``target`` is then None). The output's
+    format is decided once (``decided``, when the command needed it first: ``output_format``).
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
     from treecli import _tree
@@ -66,7 +68,8 @@ def write_output(
     guessed_directory = None
     if target is not None and not is_url(target):
         target = Path(target)
-        fmt, is_dir = output_format(target, format, source.format)
+        decided = decided or output_format(target, format, source.format)
+        fmt, is_dir = decided
         if is_dir and format is None and max_shard_size is None and not target.exists() and not is_url(source.file) \
                 and Path(source.file).is_file():
             guessed_directory = fmt  # a file in, a new directory out: maybe not what was meant; said once written
@@ -86,7 +89,7 @@ def write_output(
             target = save_in_place(tree, source, format=format, options=options)
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
-                 force=force, verify=verify)
+                 force=force, verify=verify, decided=decided)
     if guessed_directory is not None:
         kind = "an HF safetensors directory" if guessed_directory.name == "safetensors" else "an Orbax checkpoint"
         out.note(f"the output's name has no extension, so it is {kind} (for one file, name it "

@@ -59,11 +59,12 @@ def convert(
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
-        verify = None if no_verify or is_url(target) else Verifier(
-            tree, output_format(Path(target), format, ckpt.format)[0], drop_unsupported, progress=out.progress,
-            like=ckpt.like)
+        decided = None if is_url(target) else output_format(Path(target), format, ckpt.format)
+        verify = None if no_verify or decided is None else Verifier(
+            tree, decided[0], drop_unsupported, progress=out.progress, like=ckpt.like)
         written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+                               decided=decided)
         notes = ["verified: every leaf is bit-exact"] if verify else []
         report_written(out, written, notes=notes, warnings=report.warnings, json=written_json(
             written, notes, report.warnings, input=str(source), verified=verify is not None) if json else None)

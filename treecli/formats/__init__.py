@@ -194,8 +194,12 @@ def save(
     inputs: Sequence[Checkpoint | Path] = (),
     force: bool = False,
     verify: Callable[[Path], None] | None = None,
+    decided: tuple[Format, bool] | None = None,
 ) -> str | Path:
     """Write ``tree`` to ``target`` atomically, streaming leaf by leaf.
+
+    The output's format and whether it is a directory are ``decided`` by the caller's
+    ``output_format`` (a command decides once), else here.
 
     What may be replaced follows ``_outputs``: never an input (every file of
     ``inputs``), never a special file, an existing output only with ``force``,
@@ -229,7 +233,7 @@ def save(
         _outputs.write_remote(fmt, tree, target, options, [*inputs, *_tree.sources(tree)], force)
         return target
     target = Path(target)
-    fmt, is_dir = output_format(target, format, input_format)
+    fmt, is_dir = decided or output_format(target, format, input_format)
     if not fmt.writable:
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))
     # the inputs the caller names, and every file the tree's lazy leaves still read from
