@@ -1,15 +1,6 @@
 """``average``: streaming weighted averages of N trees (model soups, checkpoint
-averaging, linear merges, task arithmetic), on the combining engine (``_combine``).
-
-Float leaves accumulate in float64 (see ``_dtypes.accumulator`` for why not
-float32), sub-chunk by sub-chunk into reused buffers, and are cast back to
-their dtype with round-to-nearest-even (bf16 stays bf16). Integer, bool and non-array leaves
-must be equal across inputs and are copied bit-exactly. Nothing is read until
-a writer asks for chunks, except the equality checks, which run up front so
-that a mismatch is an error before anything is written.
-
-Why not ``weights @ stack(leaves)``: it contracts the wrong axis for leaves of
-two or more dimensions, and needs N copies of each leaf in memory.
+averaging, linear merges, task arithmetic), on the combining engine (``_combine``,
+whose docstring says how leaves are combined and why not ``weights @ stack(leaves)``).
 """
 
 from __future__ import annotations

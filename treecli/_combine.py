@@ -66,31 +66,9 @@ def linear(
     dtype: str | None = None,
     non_float: str = "last",
 ) -> tuple[Any, AverageReport]:
-    """The weighted sum of trees with the same key paths, shapes and dtypes (``treecli._average.average``
-and merge's ``linear``).
-
-    Args:
-        trees: two or more trees (lazy leaves, NumPy or JAX arrays).
-        weights: one per tree (default equal); normalized to sum 1 unless ``normalize=False``.
-        names: how to call each input in messages (file names).
-        dtype: output dtype of float leaves (default: each leaf's own).
-        non_float: what to do with integer, bool and non-array leaves (step
-            counters, optax counts, a step's JSON items) that differ between
-            inputs: ``"last"`` (the default) copies them from the last input, the
-            newest when averaging the last N steps of a run in order;
-            ``"first"`` from the first; ``"error"`` refuses. The report's
-            ``notes()`` name the leaves copied.
-
-    Returns:
-        The averaged tree (computed leaves: data is produced when read) and a
-        report that fills in while it is read.
-
-    Raises:
-        StructureError: the trees differ in key paths, shapes or dtypes, or
-            integer/bool/non-array leaves differ (listed diff-style).
-        UsageError: bad weights.
-
-    """
+    """The weighted sum of trees with the same key paths, shapes and dtypes: what
+    ``_average.average`` is (its docstring gives the arguments and errors), and merge's
+    ``linear``."""
     if len(trees) < 1:
         raise UsageError("average needs at least one input")
     names = names or [f"input {i}" for i in range(len(trees))]
