@@ -19,7 +19,9 @@ request or refused, unless ``TREECLI_HTTP_UNVALIDATED=1``.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import http.client
+import itertools
 import os
 import socket
 import threading
@@ -262,15 +264,13 @@ class _Deadline:
     def __init__(self, nbytes: int, name: str, connection: Any = None):
         self.seconds, self._name, self.connection = deadline(nbytes), name, connection
         self._expired = threading.Event()
-        self._timer = threading.Timer(self.seconds, self._expire)
-        self._timer.daemon = True
 
     def __enter__(self) -> "_Deadline":
-        self._timer.start()
+        self._token = _WATCHDOG.watch(time.monotonic() + self.seconds, self._expire)
         return self
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        self._timer.cancel()
+        _WATCHDOG.forget(self._token)
         # (past the deadline, a read that "finished" may have met the shut socket's end early)
         if self._expired.is_set() and (kind is None or issubclass(kind, Exception)):
             if self.connection is not None:
@@ -286,6 +286,53 @@ class _Deadline:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Watchdog:
+    """One daemon thread that calls each registered function when its time comes, unless
+    forgotten first: the deadlines of every request in flight (a thread per request
+    would be a thousand thread starts for a 1 GiB read in 1 MiB parts)."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []  # a heap
+        self._live: set[int] = set()
+        self._tokens = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, when: float, call: Callable[[], None]) -> int:
+        with self._wake:
+            token = next(self._tokens)
+            heapq.heappush(self._due, (when, token, call))
+            self._live.add(token)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="treecli-deadlines", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+            return token
+
+    def forget(self, token: int) -> None:
+        with self._wake:
+            self._live.discard(token)
+
+    def _run(self) -> None:
+        with self._wake:
+            while True:
+                while self._due and self._due[0][1] not in self._live:  # forgotten: dropped unseen
+                    heapq.heappop(self._due)
+                if not self._due:
+                    self._wake.wait()
+                    continue
+                when, token, call = self._due[0]
+                if time.monotonic() < when:
+                    self._wake.wait(when - time.monotonic())
+                    continue
+                heapq.heappop(self._due)
+                self._live.discard(token)
+                call()
+
+
+_WATCHDOG = _Watchdog()
 
 
 @contextlib.contextmanager
