@@ -44,6 +44,14 @@ class LocalFolder:
     def named(self, name: str) -> str:
         return str(self.path / name)
 
+    def files(self) -> list[str]:
+        """The names of the entries directly in it that are not directories (a FIFO named
+        like a shard is listed, so that opening it refuses it, never passes it over)."""
+        try:
+            return sorted(entry.name for entry in os.scandir(self.path) if not entry.is_dir())
+        except OSError:
+            return []
+
     def read_text(self, name: str) -> str:
         from treecli._bytes.local import read_text
 
@@ -115,6 +123,10 @@ class BucketFolder:
 
     def named(self, name: str) -> str:
         return f"{self.name}/{name}"
+
+    def files(self) -> list[str]:
+        """The names of the objects directly under its prefix (a listed folder's)."""
+        return sorted(k for k in self.keys or () if "/" not in k)
 
     def is_file(self, name: str) -> bool:
         return name in self.keys if self.keys is not None else self.text(name) is not None
@@ -222,6 +234,37 @@ class HttpFolder:
             shown = f"{self.name}/{name}"
             self._texts[url] = small_text(get_small(url, self._headers, shown, MAX_TEXT_BYTES), MAX_TEXT_BYTES, shown)
         return self._texts[url]
+
+
+HUB_INDEX = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def hf_weights(folder: Any) -> tuple[str, str] | None:
+    """Where an HF directory keeps its safetensors weights, the one lookup for every place:
+    ``("index", NAME)`` for a shard index, ``("file", NAME)`` for a single file, None for
+    neither. A folder that can be listed (local, a bucket prefix) holds one
+    ``*.safetensors.index.json``, else one ``*.safetensors`` (dot-files aside); an HTTP
+    directory, which cannot be, the names the Hub uses (its ``model.safetensors`` is then
+    only presumed: opening it says if it is missing).
+
+    Raises:
+        FormatError: several indexes, or several files and no index.
+    """
+    if not folder.listable:
+        return ("index", HUB_INDEX) if folder.text(HUB_INDEX) is not None else ("file", "model.safetensors")
+    names = [name for name in folder.files() if not name.startswith(".")]
+    indexes = [name for name in names if name.endswith(INDEX_SUFFIX)]
+    if len(indexes) > 1:
+        raise FormatError(f"directory holds several shard indexes ({', '.join(indexes)}); name one of them",
+                          file=folder.name)
+    if indexes:
+        return "index", indexes[0]
+    files = [name for name in names if name.endswith(".safetensors")]
+    if len(files) > 1:
+        raise FormatError("directory holds several *.safetensors files but no *.safetensors.index.json; name one file",
+                          file=folder.name)
+    return ("file", files[0]) if files else None
 
 
 def _relative_inside(name: str) -> str | None:

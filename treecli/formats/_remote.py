@@ -92,27 +92,23 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
     return _open_file(url, _read_header(folder, path))
 
 
-INDEX = "model.safetensors.index.json"
-
-
 def _open_directory(url: str, folder: Any, format: str | None, step: int | None) -> Checkpoint:
-    """A Hub repository, an HTTP directory or a bucket prefix, as an HF directory is read:
-    its shard index, else its model.safetensors, else an Orbax checkpoint in it."""
+    """A Hub repository, an HTTP directory or a bucket prefix, as an HF directory is read
+    (``_folder.hf_weights``): its shard index, else its safetensors file, else an Orbax
+    checkpoint in it."""
     from treecli.formats import orbax
+    from treecli.formats._folder import hf_weights
 
-    if format != "orbax" and step is None:
-        text = folder.text(INDEX)
-        if text is not None:
-            return _open_sharded(url, folder, text)
-        if folder.listable:
-            if folder.is_file("model.safetensors"):
-                return _open_file(url, _read_header(folder, "model.safetensors"))
-        else:  # (asked for: an HTTP directory cannot be listed)
-            try:
-                return _open_file(url, _read_header(folder, "model.safetensors"))
-            except NotFoundError:
-                if format == "safetensors":
-                    raise
+    found = hf_weights(folder) if format != "orbax" and step is None else None
+    if found is not None:
+        kind, name = found
+        if kind == "index":
+            return _open_sharded(url, folder, folder.text(name) or "")
+        try:
+            return _open_file(url, _read_header(folder, name))
+        except NotFoundError:  # (an HTTP directory's presumed model.safetensors)
+            if format == "safetensors":
+                raise
     if format == "safetensors" or (step is None and not orbax.is_checkpoint(folder)):
         how = (f"{len(folder.subfolders())} subdirectories" if folder.listable else
                "an HTTP directory cannot be listed: name a CheckpointManager step with --step")

@@ -22,9 +22,9 @@ from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
+from treecli.formats._folder import INDEX_SUFFIX
 from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header
 
-INDEX_SUFFIX = ".safetensors.index.json"
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
 _OWNED = re.compile(r"model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors|model\.safetensors\.index\.json")
 
@@ -124,21 +124,17 @@ def _open_file(path: Path) -> Checkpoint:
 
 
 def _open_directory(path: Path) -> Checkpoint:
-    indexes = sorted(p for p in path.glob("*" + INDEX_SUFFIX) if not p.name.startswith("."))
-    if len(indexes) > 1:
-        names = ", ".join(p.name for p in indexes)
-        raise FormatError(f"directory holds several shard indexes ({names}); name one of them", file=str(path))
-    if indexes:
-        return _open_index(indexes[0])
-    files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
-    if len(files) != 1:
-        raise FormatError(
-            "directory holds several *.safetensors files but no *.safetensors.index.json; name one file",
-            file=str(path),
-        )
-    checkpoint = _open_file(files[0])
+    from treecli.formats._folder import LocalFolder, hf_weights
+
+    found = hf_weights(LocalFolder(path))
+    if found is None:
+        raise FormatError("directory holds no *.safetensors file", file=str(path))
+    kind, name = found
+    if kind == "index":
+        return _open_index(path / name)
+    checkpoint = _open_file(path / name)
     checkpoint.file = str(path)
-    checkpoint.companions = _companions(path, {files[0].name})
+    checkpoint.companions = _companions(path, {name})
     return checkpoint
 
 
