@@ -218,7 +218,11 @@ def updating(checkpoint: Path, on_wait: Callable[[], None] = lambda: None) -> It
     result, so that no update is lost. The lock is an ``flock`` on the directory that holds
     the checkpoint (the checkpoint itself is replaced by a rename, a new inode each time),
     so it leaves no file behind and dies with its process."""
-    fd = os.open(Path(checkpoint).resolve().parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(Path(checkpoint).resolve().parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a directory we may not read: nothing to lock with (the rewrite will say what fails)
+        yield
+        return
     try:
         if not _lock(fd):
             on_wait()
