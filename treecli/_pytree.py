@@ -172,9 +172,15 @@ def in_memory(result: Any, like: Any) -> Any:
 
 
 def convert(leaf: Any, like: Any) -> Any:
-    """An array leaf read whole, as the same kind of value as ``like``."""
+    """An array leaf as the same kind of value as ``like``: read whole, or, for a JAX
+    template with a sharding over several devices, shard by shard (:func:`sharded`)."""
     import numpy as np
 
+    jax = sys.modules.get("jax")
+    is_jax = jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct))
+    sharding = getattr(like, "sharding", None) if is_jax and not is_key(like) else None
+    if sharding is not None and len(sharding.device_set) > 1 and _leaf.is_array(leaf):
+        return sharded(_leaf.as_leaf(leaf), sharding)
     data = np.asarray(leaf)
     if isinstance(like, _NUMBERS):
         return type(like)(data.item())
@@ -183,9 +189,19 @@ def convert(leaf: Any, like: Any) -> Any:
     jax = sys.modules.get("jax")
     if isinstance(like, KeyData) or is_key(like):
         return jax.random.wrap_key_data(data, impl=like.key_impl if isinstance(like, KeyData) else _key_impl(like))
-    if jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
+    if is_jax:
         return jax.numpy.asarray(data)
     return data
+
+
+def sharded(leaf: _leaf.ArrayLeaf, sharding: Any) -> Any:
+    """A JAX array of ``sharding`` (a ``NamedSharding`` over a mesh, ...) made from a lazy
+    leaf shard by shard: each device's callback reads only its index of the leaf (a file
+    leaf, only those byte ranges), and no whole array is assembled on the host."""
+    import jax
+    import numpy as np
+
+    return jax.make_array_from_callback(tuple(leaf.shape), sharding, lambda index: np.asarray(leaf.read(index)))
 
 
 def numbers_as_arrays(tree: Any) -> Any:
