@@ -202,18 +202,16 @@ def _from_npy(path: Path, old, edits, keypath, report):
         array = edits.open_array(path)
     except TreecliError as e:
         raise e.with_keypath(keypath)
-    allow_reshape = edits.allow_reshape
     if old is None or not _leaf.is_array(old):
         return array
     old_leaf = _leaf.as_leaf(old)
-    if tuple(array.shape) != old_leaf.shape and not allow_reshape:
+    if tuple(array.shape) != old_leaf.shape and not edits.allow_reshape:
         raise UsageError(f"shape {list(array.shape)} does not match the leaf's {list(old_leaf.shape)} "
                          f"(use {_errors.option('allow_reshape')} to replace the shape too)", file=str(path),
                          keypath=keypath)
-    source = array
-    if source.dtype_name == old_leaf.dtype_name:
-        return source
-    return cast_leaf(source, old_leaf.dtype_name, keypath, report)
+    if array.dtype_name == old_leaf.dtype_name:
+        return array
+    return cast_leaf(array, old_leaf.dtype_name, keypath, report)
 
 
 # --- cast and scale -------------------------------------------------------------------------

@@ -186,7 +186,6 @@ def convert(leaf: Any, like: Any) -> Any:
         return type(like)(data.item())
     if type(like).__module__ == "numpy" and not isinstance(like, np.ndarray):  # a NumPy scalar
         return data[()]
-    jax = sys.modules.get("jax")
     if isinstance(like, KeyData) or is_key(like):
         return jax.random.wrap_key_data(data, impl=like.key_impl if isinstance(like, KeyData) else _key_impl(like))
     if is_jax:

@@ -231,9 +231,8 @@ def json_array(data: Any) -> Any:
 
     kind = _dtypes.kind(data.dtype)
     if kind == "V":  # raw bytes of a dtype nobody named (an npz's V2): hex, as json_value does
-        return np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data).tolist()
-    if _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8, int4: as Python numbers
-        data = data.astype(np.float64 if kind == "f" else np.int64)
+        return _hex(data).tolist()
+    data = _widened(data, kind, np.float64)  # bf16, fp8, int4: as Python numbers
     if kind == "c":  # [real, imag] pairs: JSON has no complex numbers
         return json_array(np.stack([data.real, data.imag], axis=-1))
     if kind != "f" or np.isfinite(data).all():
@@ -264,12 +263,27 @@ def array_text(leaf: _leaf.ArrayLeaf) -> str:
         for corner in itertools.product(*halves):
             data[tuple(inside for _, inside in corner)] = leaf.read(tuple(source for source, _ in corner))
     kind = _dtypes.kind(data.dtype)
-    if kind == "V":  # raw bytes of a dtype nobody named: hex
-        data = np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data)
-    elif _dtypes.needs_ml_dtypes(data.dtype.name):  # bf16, fp8, int4: exactly, as wider NumPy numbers
-        data = data.astype(np.float32 if kind == "f" else np.int64)
+    # raw bytes of a dtype nobody named as hex; bf16, fp8, int4 exactly, as wider NumPy numbers
+    data = _hex(data) if kind == "V" else _widened(data, kind, np.float32)
     with np.printoptions(threshold=0 if summarise else PRINT_THRESHOLD, edgeitems=EDGE_ITEMS, linewidth=120):
         return np.array2string(data)
+
+
+def _hex(data: Any) -> Any:
+    """Each element of an array of a dtype nobody named (an npz's ``V2``) as its bytes in hex."""
+    import numpy as np
+
+    return np.vectorize(lambda v: bytes(v).hex(), otypes=[object])(data)
+
+
+def _widened(data: Any, kind: str, float_dtype: Any) -> Any:
+    """An ml_dtypes array (bf16, fp8, int4) as a NumPy dtype that holds its values exactly:
+    ``float_dtype`` for floats, int64 for integers; other arrays as they are."""
+    import numpy as np
+
+    if not _dtypes.needs_ml_dtypes(data.dtype.name):
+        return data
+    return data.astype(float_dtype if kind == "f" else np.int64)
 
 
 def add_stats(root: Node, progress: Callable[[int], None] | None = None) -> None:

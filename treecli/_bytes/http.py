@@ -136,8 +136,7 @@ class HttpReader:
         parts = urllib.parse.urlsplit(self._target)
         connection = getattr(self._connections, "conn", None)
         if connection is None:
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            connection = self._connections.conn = kind(parts.netloc, timeout=TIMEOUT_S)
+            connection = self._connections.conn = _connection(parts)
             with self._lock:
                 self._opened.append(connection)
         headers = _credentials_for(self._target, self.url, self._headers)
@@ -345,8 +344,7 @@ def _get(url: str, headers: dict[str, str], name: str, nbytes: int) -> Iterator[
             parts = urllib.parse.urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise FormatError(f"the server redirected to {url[:200]!r}, which is not an HTTP(S) URL", file=name)
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            limit.connection = connection = kind(parts.netloc, timeout=TIMEOUT_S)
+            limit.connection = connection = _connection(parts)
             try:
                 try:
                     connection.request("GET", _request_target(parts), headers=headers)
@@ -365,6 +363,12 @@ def _get(url: str, headers: dict[str, str], name: str, nbytes: int) -> Iterator[
             headers = _credentials_for(following, url, headers)
             url = following
     raise FormatError(f"too many redirects (over {MAX_REDIRECTS}: a redirect loop?)", file=name)
+
+
+def _connection(parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+    """A new (not yet connected) connection to the server of a split URL."""
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return kind(parts.netloc, timeout=TIMEOUT_S)
 
 
 def _credentials_for(url: str, origin_url: str, headers: dict[str, str]) -> dict[str, str]:

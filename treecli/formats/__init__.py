@@ -157,7 +157,7 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
         UsageError: the name ends in an extension treecli does not write (``out.h5``,
             ``out.npy``), or ``--format`` contradicts the name's extension.
     """
-    named = next((name for name in FORMATS if target.name.endswith(get(name).written_extensions or "\0")), None)
+    named = next((name for name in FORMATS if target.name.endswith(get(name).written_extensions)), None)
     foreign = next((ext for ext in _FOREIGN_EXTENSIONS if target.name.lower().endswith(ext)), None)
     if format:
         fmt = get(format)
@@ -165,7 +165,7 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
             raise UsageError(f"the name says {named or foreign} but {option('format', format)} says otherwise; "
                              "treecli writes "
                              f"{WRITES}", file=str(target))
-        return fmt, not target.name.endswith(fmt.written_extensions or "\0")
+        return fmt, not target.name.endswith(fmt.written_extensions)
     if named:
         return get(named), False
     foreign = foreign or next((ext for name in FORMATS if not get(name).writable for ext in get(name).extensions
