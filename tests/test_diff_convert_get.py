@@ -192,7 +192,9 @@ def test_convert_refuses_what_the_target_cannot_hold(cli, tmp_path):
     src = tmp_path / "ckpt"
     ocp.PyTreeCheckpointer().save(str(src), {"w": np.ones(2, np.float32), "name": "x", "none": None})
     before = snapshot(tmp_path)
-    assert_clean_error(cli("convert", src, tmp_path / "o.safetensors"), "cannot hold 2 leaves")
+    result = cli("convert", src, tmp_path / "o.safetensors")
+    assert_clean_error(result, "cannot hold 1 leaf")  # None is an empty subtree: nothing to hold
+    assert "name (str)" in result.stderr and "none" not in result.stderr
     assert snapshot(tmp_path) == before
 
 

@@ -28,13 +28,14 @@ def test_flax_msgpack_reads_without_flax_and_round_trips_through_flax(tmp_path, 
     leaves = leaves_of(path)
     assert leaves["layers.0"].read().tolist() == [0, 1]  # a list stored as {"0": ..., "1": ...}
     assert leaves["params.dense.bias"].dtype_name == "bfloat16" and leaves["step"] == 5
-    assert leaves["name"] == "run" and leaves["none"] is None
+    assert leaves["name"] == "run" and "none" not in leaves  # None: an empty subtree, as in JAX
     out = tmp_path / "out.msgpack"
     assert cli("edit", path, "--scale", "params.dense.kernel=2", "-o", out).code == 0
     restored = serialization.msgpack_restore(out.read_bytes())
     assert restored["params"]["dense"]["kernel"].tolist() == [[0, 2, 4], [6, 8, 10]]
     assert restored["params"]["dense"]["bias"].dtype == BF16 and restored["step"] == 5
     assert bits(np.asarray(restored["layers"]["1"])) == bits(np.arange(3))
+    assert restored["none"] is None  # kept where it was by an edit of other leaves
 
 
 def _ext(shape, dtype, buffer, code=1):

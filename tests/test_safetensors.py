@@ -488,8 +488,8 @@ def test_unsupported_leaves_are_listed_not_dropped(tmp_path):
     tree = {"w": np.ones(2, np.float32), "step": 3, "none": None, "name": "x"}
     with pytest.raises(TreecliError) as info:
         treecli.save(tree, tmp_path / "t.safetensors")
-    assert "cannot hold 2 leaves" in str(info.value) and ".treecli-tmp" not in str(info.value)
-    assert sorted(info.value.details) == ["name (str)", "none (None)"]  # step = 3 is stored as a 0-d int64
+    assert "cannot hold 1 leaf" in str(info.value) and ".treecli-tmp" not in str(info.value)
+    assert info.value.details == ["name (str)"]  # step = 3 is stored as a 0-d int64; None holds no leaf
     assert not list(tmp_path.iterdir())
 
 

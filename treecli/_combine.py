@@ -115,12 +115,12 @@ def combine_inputs(trees: list[Any], names: list[str], non_float: str,
     for check in checks:
         check()
     report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
-    flats = [dict(_tree.flatten(t)) for t in trees]
+    flats = [_tree.by_text(t) for t in trees]
     mismatched: list[str] = []
 
     def combine(keypath: tuple, first: Any) -> Any:
         text = format_keypath(keypath)
-        leaves = [flat[keypath] for flat in flats]
+        leaves = [flat[text] for flat in flats]
         if _leaf.is_array(first) and _dtypes.is_float(_leaf.as_leaf(first).dtype_name):
             return float_leaf(keypath, text, [_leaf.as_leaf(x) for x in leaves], report)
         report.copied.append(text)

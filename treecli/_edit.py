@@ -52,7 +52,7 @@ def edit(tree: Any, edits: Edits) -> tuple[Any, EditReport]:
         UsageError: a bad value, dtype or factor; a set of a subtree with a scalar.
     """
     report = EditReport()
-    items = _tree.flatten(tree)
+    items = _tree.flatten(tree, nones=True)  # an empty subtree keeps its place (and can be set)
     originals = dict(items)
 
     def describe(keypath: tuple) -> str:  # only leaves that end up in the report are described

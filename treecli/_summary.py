@@ -51,6 +51,8 @@ def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
             raise _tree.no_match(tree, text)
 
     def leaf_row(key: Any, keypath: KeyPath, leaf: Any) -> Node | None:
+        if leaf is None:  # an empty subtree, as in jax.tree_util
+            return None
         if patterns and not any(_keypath.covers(p, keypath) for _, p in patterns):
             return None
         if _leaf.is_array(leaf):

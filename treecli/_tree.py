@@ -4,9 +4,11 @@ treecli's own small versions of ``jax.tree_util``'s walks, so that commands on
 flat formats run on NumPy alone. Conventions:
 
 - inner nodes are non-empty ``dict``, ``list`` and ``tuple`` (namedtuples too);
-- leaves are everything else: arrays, Python scalars, strings, ``None`` (a leaf
-  here, so it can be addressed and shown, as with ``is_leaf=lambda x: x is None``)
-  and *empty* containers (shown as ``{}`` / ``[]`` leaves);
+- ``None`` is an empty subtree, as in ``jax.tree_util``: kept where it stands in a
+  tree, but no leaf — never shown, compared, averaged or written (an Orbax checkpoint
+  of ``eqx.filter(model, eqx.is_array)`` has the same leaves as its safetensors copy);
+- leaves are everything else: arrays, Python scalars, strings and *empty*
+  containers (shown as ``{}`` / ``[]`` leaves);
 - dict children are visited in natural order (``layers.2`` before ``layers.10``),
   sequence children by index.
 """
@@ -40,15 +42,16 @@ def children(node: Any) -> list[tuple[Any, Any]]:
     return [(k, node[k]) for k in child_keys(node)]
 
 
-def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
-    """All leaves with their key paths, in display order."""
+def flatten(tree: Any, *, nones: bool = False) -> list[tuple[KeyPath, Any]]:
+    """All leaves with their key paths, in display order; with ``nones``, each ``None``
+    too, for rebuilding a tree (``unflatten``) with its empty subtrees where they were."""
     out: list[tuple[KeyPath, Any]] = []
 
     def walk(node: Any, prefix: KeyPath) -> None:
         if is_node(node):
             for key, child in children(node):
                 walk(child, prefix + (key,))
-        else:
+        elif nones or node is not None:
             out.append((prefix, node))
 
     walk(tree, ())
@@ -63,7 +66,7 @@ def leaves(tree: Any) -> Iterator[Any]:
         node = stack.pop()
         if is_node(node):
             stack.extend(node.values() if isinstance(node, dict) else node)
-        else:
+        elif node is not None:
             yield node
 
 
@@ -79,7 +82,8 @@ def sources(tree: Any) -> list[str]:
 
 
 def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
-    """Every node, inner and leaf, with its key path (the root first)."""
+    """Every node, inner and leaf, with its key path (the root first). ``None`` is among
+    them: an empty subtree can be named (and replaced: ``at``, ``edit --set``)."""
     stack: list[tuple[KeyPath, Any]] = [((), tree)]
     while stack:
         keypath, node = stack.pop()
@@ -91,10 +95,13 @@ def iter_nodes(tree: Any) -> Iterator[tuple[KeyPath, Any]]:
 def map_leaves(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
     """A new tree of the same structure with ``fn(keypath, leaf)`` at each leaf.
 
-    Leaves are visited in display order (and new dicts keep that order).
+    Leaves are visited in display order (and new dicts keep that order); ``None``
+    stays where it is.
     """
 
     def walk(node: Any, prefix: KeyPath) -> Any:
+        if node is None:
+            return None
         if not is_node(node):
             return fn(prefix, node)
         if isinstance(node, dict):
@@ -239,23 +246,29 @@ def values_equal(a: Any, b: Any) -> bool:
         return False
 
 
+def by_text(tree: Any) -> dict[str, Any]:
+    """Leaves by their key path's text: how trees from different formats line up (an Orbax
+    list's ``layers.0`` has the key ``0``, a safetensors name's the key ``"0"``)."""
+    return {format_keypath(kp): leaf for kp, leaf in flatten(tree)}
+
+
 def structure_differences(trees: list[Any], names: list[str]) -> list[str]:
     """One line per key path where the trees disagree: missing in some, or a different shape/dtype/type.
 
     Lines read like ``model.w: [2, 3] float32 in a.safetensors; [3, 3] float32 in b.safetensors``.
     """
-    flats = [dict(flatten(tree)) for tree in trees]
-    keys: dict[KeyPath, None] = {}
-    for flat in flats:
-        keys.update(dict.fromkeys(flat))
+    flats = [by_text(tree) for tree in trees]
+    keys: dict[str, KeyPath] = {}
+    for tree in trees:
+        keys.update((format_keypath(kp), kp) for kp, _ in flatten(tree))
     lines = []
-    for keypath in sorted(keys, key=lambda kp: tuple(_keypath.natural_sort_key(k) for k in kp)):
-        text = format_keypath(keypath) or "<root>"
-        present = [i for i, flat in enumerate(flats) if keypath in flat]
+    for name in sorted(keys, key=lambda t: tuple(_keypath.natural_sort_key(k) for k in keys[t])):
+        text = name or "<root>"
+        present = [i for i, flat in enumerate(flats) if name in flat]
         if len(present) != len(flats):
             lines.append(f"{text}: only in {', '.join(names[i] for i in present)}")
             continue
-        descriptions = [describe_leaf(flat[keypath]) for flat in flats]
+        descriptions = [describe_leaf(flat[name]) for flat in flats]
         if len(set(descriptions)) > 1:
             groups: dict[str, list[str]] = {}
             for description, name in zip(descriptions, names):

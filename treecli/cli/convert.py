@@ -32,7 +32,7 @@ def convert(
 ) -> None:
     """Convert a checkpoint to another format, verified bit-exactly before it is published.
 
-    Refuses what the target cannot hold (a dtype, None, strings, scalars, empty
+    Refuses what the target cannot hold (a dtype, strings, scalars, empty
     containers) unless --drop-unsupported, which drops them with a warning.
 
     Examples:

@@ -50,6 +50,8 @@ class Checkpoint:
     #: The model its leaves belong to (``--like``): a ``_pytree.Structure``, whose
     #: order, shapes and dtypes an ``.eqx`` output follows.
     like: Any = None
+    #: Each item's tree, by name, for a CheckpointManager step (``info["items"]`` lists them).
+    items: dict[str, Any] = field(default_factory=dict)
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def item(self, name: str) -> Any:
@@ -60,11 +62,10 @@ class Checkpoint:
         """
         from treecli._errors import UsageError
 
-        items = self.info.get("items")
-        if items is None or name not in items:
-            known = f"; items: {', '.join(items)}" if items else " (not a CheckpointManager step)"
+        if name not in self.items:
+            known = f"; items: {', '.join(self.items)}" if self.items else " (not a CheckpointManager step)"
             raise UsageError(f"no item {name!r}{known}", file=self.file)
-        return self.tree[name]
+        return self.items[name]
 
     def close(self) -> None:
         for close in self._closers:

@@ -140,7 +140,7 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
     error. Zero-size arrays and values Orbax cannot store are refused, or dropped
     with ``drop_unsupported``.
     """
-    items = _tree.flatten(tree)
+    items = _tree.flatten(tree, nones=True)  # Orbax stores None: it stays where it is
     seen: dict[str, tuple] = {}
     for keypath, _ in items:
         name = _param_name(keypath)

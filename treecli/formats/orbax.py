@@ -167,16 +167,20 @@ def _open_step(step_dir: Folder) -> Checkpoint:
     if isinstance(handlers, dict) and isinstance(handlers.get("item_handlers"), str):
         # A single-item checkpoint (StandardCheckpointer): its tree lives in _METADATA.
         raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=step_dir.name)
-    checkpoint = Checkpoint(tree={}, format="orbax", file=step_dir.name, origin=_origin("step", step_dir))
+    checkpoint = Checkpoint(tree=None, format="orbax", file=step_dir.name, origin=_origin("step", step_dir))
+    items = checkpoint.items
     for name in step_dir.subfolders():
         item = step_dir.child(name)
         if item.is_file("_METADATA") or item.is_file(_AGGREGATE):
-            checkpoint.tree[name] = _open_pytree(item, checkpoint)
+            items[name] = _open_pytree(item, checkpoint)
         elif item.is_file("metadata"):  # JsonSave writes ITEM/metadata
-            checkpoint.tree[name] = _read_json(item, "metadata")
-    if not checkpoint.tree:
+            items[name] = _read_json(item, "metadata")
+    if not items:
         raise FormatError("no readable items (each needs _METADATA or a JSON metadata file)", file=step_dir.name)
-    checkpoint.info["items"] = sorted(checkpoint.tree)
+    checkpoint.info["items"] = sorted(items)
+    # A step saved with StandardSave alone holds the item `default`, and Orbax's restore
+    # returns its tree without that level: so does treecli (`item="default"` names it).
+    checkpoint.tree = items["default"] if list(items) == ["default"] else dict(items)
     return checkpoint
 
 
@@ -287,7 +291,7 @@ def _open_aggregate(directory: Folder) -> Any:
         raise FormatError("Orbax's layout before _METADATA (a msgpack 'checkpoint' file) is read from local "
                           "directories only; copy it here first", file=directory.name)
     with msgpack_format.MsgpackFormat().open(directory.path / _AGGREGATE) as aggregate:
-        items = _tree.flatten(aggregate.tree)
+        items = _tree.flatten(aggregate.tree, nones=True)
     names = {kp: x[len(_PLACEHOLDER):] for kp, x in items if isinstance(x, str) and x.startswith(_PLACEHOLDER)}
     use_ocdbt = directory.is_file("manifest.ocdbt")
     use_zarr3 = any(directory.is_file(f"{name}/zarr.json") for name in names.values())
