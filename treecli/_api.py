@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _average, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
@@ -46,9 +47,13 @@ def open(path: str | Path, format: str | None = None, *, like: Any = None,  # no
     return checkpoint
 
 
-def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy: bool | None = None,
-         step: int | None = None, item: str | None = None) -> Any:
+def load(path: str | Path, format: str | None = None, *, like: Any = None, sharding: Any = None,
+         lazy: bool | None = None, step: int | None = None, item: str | None = None) -> Any:
     """The tree of a checkpoint.
+
+    Every JAX array is read shard by shard, each addressable shard from its own byte
+    ranges (or TensorStore slice) straight onto its device, on several threads: no
+    whole array is assembled on the host.
 
     Args:
         step: a CheckpointManager root's step (default: the latest).
@@ -58,7 +63,12 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy:
             output): the result is the template's own type, its data leaves taken
             from the file by key path (by order for an ``.eqx`` file), shapes and
             dtypes checked. Its other leaves (functions, static fields) come from
-            the template.
+            the template. A JAX leaf (an array, or a ``ShapeDtypeStruct``) gives its
+            ``sharding``: a ``NamedSharding`` over a mesh, a ``SingleDeviceSharding``.
+        sharding: without a template, where the arrays go: one ``jax.sharding.Sharding``
+            for every array leaf, or a function of the key path (``"layers.0.w"``)
+            returning one (``None``: the default device). The result is the file's
+            own tree, of JAX arrays.
         lazy: lazy leaves (``np.asarray(leaf)`` or ``leaf[0]`` reads only what it
             needs) or arrays read now (of the template's kind: JAX arrays for JAX
             arrays and ``ShapeDtypeStruct``\\ s, else NumPy). Default: lazy without
@@ -67,10 +77,16 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy:
     Raises:
         FormatError: the file is not a valid checkpoint.
         StructureError: the file does not fit ``like`` (differences listed).
+        UsageError: a sharding that does not fit a leaf; both ``like`` and ``sharding``.
 
     Example:
         >>> model = treecli.load("model.safetensors", like=eqx.filter_eval_shape(make_model))
+        >>> params = treecli.load("model.safetensors", sharding=NamedSharding(mesh, P()))
     """
+    if like is not None and sharding is not None:
+        raise UsageError("give like= (whose leaves carry their shardings) or sharding=, not both")
+    if sharding is not None and lazy:
+        raise UsageError("sharding= reads the arrays onto devices; it cannot be lazy")
     template = None if like is None else _pytree.structure(like)
     lazy = like is None if lazy is None else lazy
     checkpoint = open_checkpoint(path, format, like=template, step=step)
@@ -81,6 +97,9 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, lazy:
         checkpoint.tree = checkpoint.item(item)
     if template is not None:
         tree = _pytree.fill(template, checkpoint.tree, file=str(path), lazy=lazy)
+    elif sharding is not None:
+        tree = _pytree.onto_devices(checkpoint.tree, sharding, file=str(path))
+        lazy = False
     elif lazy:
         tree = checkpoint.tree
     else:

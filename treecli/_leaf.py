@@ -38,6 +38,10 @@ class ArrayLeaf:
     # reads, computed chunks); otherwise writers take ``read_flat``'s arrays,
     # which may be views of data already in memory.
     fills_buffers = False
+    # Whether ``read(index)`` reads only what the index needs (byte ranges, a TensorStore
+    # slice); otherwise it reads the whole leaf, and a sharded load reads it once for all
+    # its shards (``_devices``).
+    reads_parts = False
 
     @property
     def dtype(self):
@@ -124,6 +128,8 @@ class ArrayLeaf:
 class InMemoryLeaf(ArrayLeaf):
     """An array already in memory (NumPy, JAX, or anything with ``__array__``)."""
 
+    reads_parts = True
+
     def __init__(self, array: Any):
         self._source = array
         self.shape = tuple(int(d) for d in array.shape)
@@ -207,6 +213,7 @@ class ComputedLeaf(ArrayLeaf):
         self._compute_index = compute_index
         self._fill = fill
         self.fills_buffers = fill is not None
+        self.reads_parts = compute_index is not None
 
     @property
     def sources(self) -> tuple[str, ...]:

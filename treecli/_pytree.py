@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from treecli import _dtypes, _leaf, _tree
+from treecli import _devices, _dtypes, _leaf, _tree
 from treecli._errors import KeyPathError, StructureError, UsageError
 from treecli._keypath import KeyPath, format_keypath, plain_key
 
@@ -171,16 +171,20 @@ def in_memory(result: Any, like: Any) -> Any:
     return _tree.map_leaves(read, result)
 
 
+def on_device(like: Any) -> bool:
+    """Whether a template leaf asks for a JAX array (a typed key array is rebuilt from its data)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct)) and not is_key(like)
+
+
 def convert(leaf: Any, like: Any) -> Any:
-    """An array leaf as the same kind of value as ``like``: read whole, or, for a JAX
-    template with a sharding over several devices, shard by shard (:func:`sharded`)."""
+    """An array leaf as the same kind of value as ``like``; for a JAX template, a JAX
+    array of its sharding, read shard by shard (``_devices.place``)."""
     import numpy as np
 
+    if on_device(like) and _leaf.is_array(leaf):
+        return _devices.place([(_leaf.as_leaf(leaf), _devices.target(like))])[0]
     jax = sys.modules.get("jax")
-    is_jax = jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct))
-    sharding = getattr(like, "sharding", None) if is_jax and not is_key(like) else None
-    if sharding is not None and len(sharding.device_set) > 1 and _leaf.is_array(leaf):
-        return sharded(_leaf.as_leaf(leaf), sharding)
     data = np.asarray(leaf)
     if isinstance(like, _NUMBERS):
         return type(like)(data.item())
@@ -188,19 +192,9 @@ def convert(leaf: Any, like: Any) -> Any:
         return data[()]
     if isinstance(like, KeyData) or is_key(like):
         return jax.random.wrap_key_data(data, impl=like.key_impl if isinstance(like, KeyData) else _key_impl(like))
-    if is_jax:
+    if jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):  # a Python number's
         return jax.numpy.asarray(data)
     return data
-
-
-def sharded(leaf: _leaf.ArrayLeaf, sharding: Any) -> Any:
-    """A JAX array of ``sharding`` (a ``NamedSharding`` over a mesh, ...) made from a lazy
-    leaf shard by shard: each device's callback reads only its index of the leaf (a file
-    leaf, only those byte ranges), and no whole array is assembled on the host."""
-    import jax
-    import numpy as np
-
-    return jax.make_array_from_callback(tuple(leaf.shape), sharding, lambda index: np.asarray(leaf.read(index)))
 
 
 def numbers_as_arrays(tree: Any) -> Any:
@@ -245,12 +239,48 @@ def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
                              f"{'difference' if len(lines) == 1 else 'differences'} ({first})", file=file,
                              details=lines)
     leaves = list(template.leaves)
+    to_devices = []  # (key path, leaf, sharding, index): read together, on several threads
     for keypath, index in template.data:
         leaf = found[format_keypath(keypath)]
         expected = template.leaves[index]
-        leaves[index] = leaf if lazy and not isinstance(leaf, _NUMBERS) and not is_key(expected) \
-            else convert(leaf, expected)
+        if lazy and not isinstance(leaf, _NUMBERS) and not is_key(expected):
+            leaves[index] = leaf
+        elif on_device(expected) and _leaf.is_array(leaf):
+            to_devices.append((format_keypath(keypath), _leaf.as_leaf(leaf), _devices.target(expected), index))
+        else:
+            leaves[index] = convert(leaf, expected)
+    placed = _devices.place([(leaf, sharding) for _, leaf, sharding, _ in to_devices], [t[0] for t in to_devices])
+    for (_, _, _, index), array in zip(to_devices, placed):
+        leaves[index] = array
     return template.treedef.unflatten(leaves)
+
+
+def onto_devices(tree: Any, sharding: Any, *, file: str) -> Any:
+    """A native tree with each array leaf read into a JAX array of ``sharding`` (one for
+    every leaf, or a function of the key path's text giving one; ``None``: the default
+    device); other leaves as they are.
+
+    Raises:
+        UsageError: a sharding that does not fit a leaf's shape (naming the key path).
+    """
+    chosen = []  # (keypath, leaf, sharding)
+    for keypath, leaf in _tree.flatten(tree):
+        if not _leaf.is_array(leaf):
+            continue
+        leaf = _leaf.as_leaf(leaf)
+        text = format_keypath(keypath)
+        target = sharding(text) if callable(sharding) else sharding
+        if target is not None:
+            try:
+                target.shard_shape(tuple(leaf.shape))
+            except Exception as e:  # IndivisibleError, or a spec of more axes than the leaf has
+                reason = str(e).splitlines()[0][:300] if str(e) else "the leaf has fewer axes than its spec"
+                raise UsageError(f"the sharding does not fit this leaf of shape {list(leaf.shape)}: "
+                                 f"{type(e).__name__}: {reason}", file=file, keypath=text) from None
+        chosen.append((keypath, leaf, target))
+    placed = dict(zip((keypath for keypath, _, _ in chosen),
+                      _devices.place([(l, t) for _, l, t in chosen], [format_keypath(kp) for kp, _, _ in chosen])))
+    return _tree.map_leaves(lambda keypath, leaf: placed.get(keypath, leaf), tree)
 
 
 def describe(leaf: Any) -> str:

@@ -19,6 +19,7 @@ class FileArrayLeaf(ArrayLeaf):
 
     __slots__ = ("reader", "offset", "shape", "dtype_name")  # 200k-tensor headers: keep leaves small
     fills_buffers = True
+    reads_parts = True
 
     def __init__(self, reader: Source, offset: int, shape: tuple[int, ...], dtype_name: str):
         self.reader = reader

@@ -364,6 +364,10 @@ class OrbaxLeaf(_leaf.WholeLeaf):
     def sources(self) -> tuple[str, ...]:
         return (self._file,)
 
+    @property
+    def reads_parts(self) -> bool:  # an index reads the chunks it touches; one chunk is read whole
+        return self._band_rows is not None
+
     def load(self):
         return self._read_box(())
 
