@@ -17,6 +17,7 @@ Format modules subclass it for lazy file-backed leaves; operations build
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _dtypes
@@ -240,6 +241,72 @@ class ComputedLeaf(ArrayLeaf):
         return super().read(index)
 
 
+class ShardedLeaf(ArrayLeaf):
+    """A JAX array split over several devices, read shard by shard: a chunk is copied from
+    the shards it overlaps, a replicated shard from one of its devices, and the whole
+    array is never gathered (what ``np.asarray`` of it does)."""
+
+    reads_parts = True
+
+    def __init__(self, array: Any):
+        self.shape = tuple(int(d) for d in array.shape)
+        self.dtype_name = _dtypes.name(array.dtype)
+        distinct: dict[tuple, Any] = {}
+        for shard in array.addressable_shards:
+            bounds = tuple(s.indices(n)[:2] for s, n in zip(shard.index, self.shape))
+            distinct.setdefault(bounds, shard.data)
+        self._shards = list(distinct.items())  # ((start, stop) per axis, the shard's array)
+
+    def _rows(self, first: int, last: int):
+        """Rows ``[first, last)`` of axis 0, the other axes whole, from the shards holding them."""
+        import numpy as np
+
+        out = np.empty((last - first,) + self.shape[1:], self.dtype)
+        filled = 0
+        for bounds, data in self._shards:
+            low, high = bounds[0]
+            start, stop = max(low, first), min(high, last)
+            if start >= stop:
+                continue
+            inner = tuple(slice(a, b) for a, b in bounds[1:])
+            out[(slice(start - first, stop - first),) + inner] = np.asarray(data[start - low:stop - low])
+            filled += (stop - start) * math.prod(b - a for a, b in bounds[1:])
+        if filled < out.size:
+            from treecli._errors import UsageError
+
+            raise UsageError("this process holds only some shards of a global array; write it where every process "
+                             "writes its own (format orbax), or gather it first")
+        return out
+
+    def read_flat(self, start: int, stop: int):
+        import numpy as np
+
+        if stop <= start:
+            return np.empty(0, self.dtype)
+        row = self.size // self.shape[0]
+        first, last = start // row, -(-stop // row)
+        return self._rows(first, last).reshape(-1)[start - first * row:stop - first * row]
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        from treecli import _index
+
+        index = index if isinstance(index, tuple) else (index,)
+        final_shape = _index.result_shape(self.shape, index)
+        selectors = _index.selectors(self.shape, index)
+        if any(not isinstance(s, int) and len(s) == 0 for s in selectors):
+            return np.empty(final_shape, self.dtype)
+        within = [s if isinstance(s, int) else slice(s.start, s.stop if s.stop >= 0 else None, s.step)
+                  for s in selectors]
+        first = selectors[0]
+        low, high = (first, first + 1) if isinstance(first, int) else (min(first[0], first[-1]),
+                                                                        max(first[0], first[-1]) + 1)
+        within[0] = 0 if isinstance(first, int) else slice(first.start - low, first.stop - low
+                                                           if first.stop - low >= 0 else None, first.step)
+        return np.array(self._rows(low, high)[tuple(within)], copy=True).reshape(final_shape)
+
+
 def _index_array(array: Any, index: Any) -> Any:
     """``array[index]``, but the whole array for ``()``: indexing a 0-d array with ``()``
     gives a NumPy scalar, which would canonicalize a bool's byte (0x02 -> 0x01)."""
@@ -254,5 +321,11 @@ def is_array(value: Any) -> bool:
 
 
 def as_leaf(value: Any) -> ArrayLeaf:
-    """Wrap an array-like value as an :class:`ArrayLeaf` (lazy leaves pass through)."""
-    return value if isinstance(value, ArrayLeaf) else InMemoryLeaf(value)
+    """Wrap an array-like value as an :class:`ArrayLeaf` (lazy leaves pass through; a JAX
+    array split over devices is read by its shards)."""
+    if isinstance(value, ArrayLeaf):
+        return value
+    jax = sys.modules.get("jax")  # a JAX array exists only once jax is imported
+    if jax is not None and isinstance(value, jax.Array) and value.ndim and not value.is_fully_replicated:
+        return ShardedLeaf(value)
+    return InMemoryLeaf(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,7 +38,14 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
                            f"{needed / 2**30:.1f} GiB, but {available / 2**30:.1f} GiB is available; "
                            "write safetensors instead (-o out.safetensors)")
 
+    jax = sys.modules.get("jax")
+
     def materialize(keypath: tuple, x: Any) -> Any:
+        if jax is not None and isinstance(x, jax.Array):
+            # Orbax writes a JAX array itself, each shard from its device, a replicated one once
+            if options.progress:
+                options.progress(x.nbytes)
+            return x
         if _leaf.is_array(x):
             leaf = _leaf.as_leaf(x)
             array = leaf.read()

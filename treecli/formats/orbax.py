@@ -244,7 +244,7 @@ def _open_pytree(directory: Folder, checkpoint: Checkpoint) -> Any:
         name = _param_name(keypath)
         if kind in _ARRAY_TYPES:
             store = stores[keypath]
-            if write_shape is not None and list(store.shape) != list(write_shape):
+            if write_shape is not None and not _fits_in(write_shape, store.shape):
                 raise FormatError(f"stored data has shape {list(store.shape)} but _METADATA says {write_shape}",
                                   file=directory.name, keypath=name)
             leaf = OrbaxLeaf(store, directory.name, name)
@@ -280,6 +280,13 @@ def _build(items: list[tuple[tuple, Any]]) -> Any:
         return node
 
     return lists(_tree.unflatten(items))
+
+
+def _fits_in(write_shape: Any, shape: Any) -> bool:
+    """Whether ``_METADATA``'s ``write_shape`` can be that of an array of ``shape``: the
+    shape of one shard as written (the whole array when it lived on one device)."""
+    return isinstance(write_shape, list) and len(write_shape) == len(shape) and all(
+        isinstance(w, int) and 0 <= w <= n for w, n in zip(write_shape, shape))
 
 
 def _open_aggregate(directory: Folder) -> Any:
