@@ -42,10 +42,13 @@ def manager_root(tmp_path_factory):
 def test_load_of_a_manager_root_with_a_template_takes_its_single_item(manager_root):
     jax = pytest.importorskip("jax")
     like = {"params": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}, "step": jax.ShapeDtypeStruct((), np.int64)}
-    state = treecli.load(manager_root, like=like)
-    assert np.asarray(state["params"]["w"]).tolist() == [[2.0] * 3] * 2  # the latest step
-    state = treecli.load(manager_root, like=like, step=1, item="default")
-    assert np.asarray(state["params"]["w"]).tolist() == [[1.0] * 3] * 2
+    with jax.enable_x64(True):  # the int64 step stays int64 on the device
+        state = treecli.load(manager_root, like=like)
+        assert np.asarray(state["params"]["w"]).tolist() == [[2.0] * 3] * 2  # the latest step
+        state = treecli.load(manager_root, like=like, step=1, item="default")
+        assert np.asarray(state["params"]["w"]).tolist() == [[1.0] * 3] * 2
+    with pytest.raises(treecli.UsageError, match="step: an int64 leaf would become int32"):
+        treecli.load(manager_root, like=like)  # JAX without x64 would truncate it: refused, not changed
 
 
 def test_item_selects_one_item_and_names_the_others_when_wrong(manager_root):

@@ -119,7 +119,7 @@ jax.config.update("jax_enable_x64", False)  # JAX would make int64 int32: refuse
 try:
     treecli.load(paths["safetensors"], like=like)
 except treecli.UsageError as e:
-    assert str(e).startswith("i: a int64 leaf would become int32") and "jax_enable_x64" in str(e), str(e)
+    assert str(e).startswith("i: an int64 leaf would become int32") and "jax_enable_x64" in str(e), str(e)
 else:
     raise AssertionError("int64 became int32 silently")
 print("ok")
