@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from treecli import _dtypes, _keypath, _leaf, _tree
 from treecli._keypath import format_keypath
@@ -38,6 +38,7 @@ class DiffResult:
     def equal(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.changed)
 
+
     def as_json(self) -> dict[str, Any]:
         def number(x: float | None) -> Any:
             if x is None or math.isfinite(x):
@@ -54,13 +55,18 @@ class DiffResult:
 
 
 def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None, where: list[str] = (),
-         progress=None) -> DiffResult:
+         progress=None, part: tuple[int, int] = (0, 1),
+         gather: Callable[[list[Change]], list[list[Change]]] | None = None) -> DiffResult:
     """Compare two trees: key paths only in one, shape/dtype changes, value differences.
 
     Args:
         rtol, atol: compare numerically (``|a - b| <= atol + rtol * |b|``, NaN equal
             to NaN); default exact, byte for byte.
         where: only key paths covered by these patterns.
+        part: ``(i, n)``: compare only the i-th of n shares of the leaves (by bytes, the
+            same shares in every process of a run).
+        gather: with ``part``, gives every part's changes for this part's (the processes
+            of a run exchange them): the result is the whole diff's.
     """
     patterns = [_keypath.parse(w) for w in where]
     # Keyed by the text form, so that list index 0 (Orbax) and string key "0"
@@ -77,6 +83,7 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
         if not any(_keypath.covers(pattern, kp) for kp in keypaths.values()):
             raise _tree.no_match(a if flat_a else b, text)
     order = sorted(keypaths, key=lambda t: tuple(_keypath.natural_sort_key(k) for k in keypaths[t]))
+    owner = _owners([(t, flat_a[t][1]) for t in order if t in flat_a and t in flat_b], part[1])
     for text in order:
         if not wanted(keypaths[text]):
             continue
@@ -84,11 +91,29 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
             result.only_in_a.append(text or "<root>")
         elif text not in flat_a:
             result.only_in_b.append(text or "<root>")
-        else:
+        elif owner[text] == part[0]:
             change = _compare(flat_a[text][1], flat_b[text][1], text or "<root>", rtol, atol, progress)
             if change is not None:
                 result.changed.append(change)
+    if gather is not None:
+        rank = {text or "<root>": i for i, text in enumerate(order)}
+        result.changed = sorted((c for changes in gather(result.changed) for c in changes),
+                                key=lambda c: rank[c.keypath])
     return result
+
+
+def _owners(pairs: list[tuple[str, Any]], parts: int) -> dict[str, int]:
+    """Which part compares each pair: the next array to the part with the fewest bytes so
+    far, other leaves to part 0 — the same answer in every process."""
+    owner: dict[str, int] = {}
+    load = [0] * parts
+    for text, leaf in pairs:
+        if _leaf.is_array(leaf) and parts > 1:
+            owner[text] = load.index(min(load))
+            load[owner[text]] += _leaf.as_leaf(leaf).nbytes
+        else:
+            owner[text] = 0
+    return owner
 
 
 def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:

@@ -249,6 +249,57 @@ def _stored_bytes(chunk: Any) -> Any:
     return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
 
 
+class RangeWriteback:
+    """:class:`Writeback` for a file written by positional writes at rising offsets from
+    ``start`` (one process's share of a file written together)."""
+
+    def __init__(self, fd: int, start: int):
+        self._fd = fd
+        self._previous = self._hinted = start
+
+    def __call__(self, end: int) -> None:
+        if end - self._hinted < WRITEBACK_BYTES or not hasattr(os, "posix_fadvise"):
+            return
+        with contextlib.suppress(OSError):  # only a hint is lost
+            os.posix_fadvise(self._fd, self._previous, end - self._previous, os.POSIX_FADV_DONTNEED)
+        self._previous, self._hinted = self._hinted, end
+
+
+def write_range(fd: int, leaf: ArrayLeaf, offset: int, begin: int, end: int, writeback: RangeWriteback,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Write the elements of ``leaf`` whose first byte falls in the file's bytes ``[begin,
+    end)``, the leaf stored at ``offset``, by positional writes a chunk at a time: the
+    share one process of several writes into a file they write together. Neighbouring
+    ranges take every element exactly once."""
+    for start, stop in _chunks_within(leaf, offset, begin, end):
+        raw = _stored_bytes(leaf.read_flat(start, stop))
+        view, at = memoryview(raw), offset + start * leaf.itemsize
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+        writeback(at)
+        if progress:
+            progress(raw.nbytes)
+
+
+def same_range(fd: int, leaf: ArrayLeaf, offset: int, begin: int, end: int) -> bool:
+    """Whether the file holds, in ``[begin, end)``, the bytes :func:`write_range` writes there."""
+    for start, stop in _chunks_within(leaf, offset, begin, end):
+        expected = _stored_bytes(leaf.read_flat(start, stop))
+        if os.pread(fd, expected.nbytes, offset + start * leaf.itemsize) != expected.tobytes():
+            return False
+    return True
+
+
+def _chunks_within(leaf: ArrayLeaf, offset: int, begin: int, end: int) -> list[tuple[int, int]]:
+    """Element ranges, a chunk each, of the elements whose first byte lies in ``[begin, end)``."""
+    size = leaf.itemsize
+    first = min(leaf.size, max(0, -(-(begin - offset) // size)))
+    last = min(leaf.size, max(0, -(-(end - offset) // size)))
+    step = max(1, CHUNK_BYTES // size)
+    return [(start, min(last, start + step)) for start in range(first, last, step)]
+
+
 def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
                writeback: Writeback | None = None, progress: Callable[[int], None] | None = None,
                digests: dict[int, tuple[ArrayLeaf, tuple[int, int, int]]] | None = None,

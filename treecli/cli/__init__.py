@@ -13,10 +13,11 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 import typer
 
-from treecli import _gc
+from treecli import _cluster, _gc
 from treecli.cli._status import ExitStatus
 from treecli.cli.average import average
 from treecli.cli.convert import convert
@@ -58,10 +59,22 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
+    coordinator: Optional[str] = typer.Option(
+        None, "--coordinator", envvar="TREECLI_COORDINATOR", metavar="HOST:PORT", show_default=False,
+        help="Run as one of several processes (JAX's distributed runtime): process 0's address. Each process reads "
+        "and writes its share; process 0 publishes the output once all have finished."),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes", envvar="TREECLI_NUM_PROCESSES",
+                                                show_default=False, help="How many processes run the command."),
+    process_id: Optional[int] = typer.Option(None, "--process-id", envvar="TREECLI_PROCESS_ID", show_default=False,
+                                             help="This process's number, 0 to --num-processes - 1."),
+    distributed: bool = typer.Option(False, "--distributed", help="Run as one of the processes JAX finds "
+                                     "(SLURM, a TPU pod, MPI), as jax.distributed.initialize() does."),
 ) -> None:
     """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, diff, convert,
     get."""
     _Session.debug = debug
+    if distributed or coordinator is not None or num_processes is not None or process_id is not None:
+        _cluster.start(coordinator, num_processes, process_id, detect=distributed)
 
 
 app.command()(show)
@@ -74,11 +87,15 @@ app.command()(convert)
 app.command()(get)
 
 
+_ROOT_OPTIONS_WITH_VALUES = ("--coordinator", "--num-processes", "--process-id")
+
+
 def _app_for(args: list[str]) -> typer.Typer:
     """The app to run ``args`` with: where they name a command, one that holds only that
     command (Typer lays out every command's options on each run: 14 ms of a 90 ms ``show``,
     against 2 ms for one); else the whole app (help, completion, a mistyped command)."""
-    name = next((arg for arg in args if not arg.startswith("-")), None)  # (the root options take no values)
+    name = next((arg for arg, before in zip(args, [None, *args]) if not arg.startswith("-")
+                 and before not in _ROOT_OPTIONS_WITH_VALUES), None)
     for info in app.registered_commands:
         if name == (info.name or typer.main.get_command_name(info.callback.__name__)):
             one = typer.Typer(**_SETTINGS)
@@ -118,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 sys.stderr.write(f"treecli: interrupted by {signal.Signals(e.signum).name}\n")
             return 128 + e.signum
+        finally:
+            _cluster.finish()  # a run of several processes: leave it together
 
 
 def _completion(args: list[str]) -> int:
@@ -213,6 +232,7 @@ def _warnings_as_lines():
 def _print_error(headline: str, details: list[str] = ()) -> None:
     from treecli._escape import visible
 
+    _cluster.failed(" ".join(headline.splitlines()))  # the other processes of a run stop too
     lines = [f"treecli: error: {' '.join(headline.splitlines())}"]
     lines += [f"    {d}" for d in details[:20]]
     if len(details) > 20:

@@ -28,9 +28,14 @@ class OutputClosed(Exception):
 
 class Output:
     def __init__(self, quiet: bool = False):
+        from treecli import _cluster
+
         self._no_color = bool(os.environ.get("NO_COLOR"))
         self.plain = self._no_color or not _isatty(sys.stdout)
-        self.quiet = quiet
+        # In a run of several processes, process 0 speaks for all; the others say only errors.
+        cluster = _cluster.current()
+        self.silent = cluster is not None and not cluster.publishes
+        self.quiet = quiet or self.silent
         self._consoles: dict[str, Any] = {}
         self._bar: Any = None  # the live progress display, while there is one
 
@@ -61,6 +66,8 @@ class Output:
         styled on a terminal."""
         # In batches of 4096 lines: a terminal's stdout is line-buffered, and one write per
         # line was 333k system calls for a big tree.
+        if self.silent:
+            return
         if self.plain:
             lines = iter(lines)
             chunks = map(_visible_lines, iter(lambda: list(itertools.islice(lines, 4096)), []))
@@ -77,10 +84,14 @@ class Output:
                 sys.stdout.write(chunk)
 
     def json(self, document: Any) -> None:
+        if self.silent:
+            return
         with _writing_stdout():
             sys.stdout.write(json_text(_indented_json(document)) + "\n")
 
     def warn(self, message: str) -> None:
+        if self.silent:
+            return
         sys.stderr.write(visible(f"treecli: warning: {message}") + "\n")
 
     def note(self, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Optional
 
 import typer
@@ -37,13 +38,16 @@ def diff(
         treecli diff run1/100 run2/100 --atol 1e-6 --where 'state.params.**'
         treecli diff run1 run2 --step 300 --where 'state.params.**'
     """
-    from treecli import _diff
+    from treecli import _cluster, _diff
 
     out = Output(quiet=quiet)
+    cluster = _cluster.current()  # several processes: each compares its share of the leaves
+    part = (cluster.process_id, cluster.count) if cluster else (0, 1)
     with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
-            result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance)
+            result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance,
+                                part=part, gather=None if cluster is None else functools.partial(_gather, cluster))
     try:
         _print(out, result, json)
     except OutputClosed:  # the reader went away: the verdict stands, it never turns into "equal"
@@ -69,6 +73,18 @@ def _print(out: Output, result, json: bool) -> None:
             rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
                          note, _number(c.max_abs_diff), _number(c.max_rel_diff)])
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
+
+
+def _gather(cluster, changes: list) -> list[list]:
+    """Every process's changes, through the run's coordinator."""
+    import dataclasses
+    import json
+
+    from treecli._diff import Change
+
+    cluster.tell(f"diff/{cluster.process_id}", json.dumps([dataclasses.asdict(c) for c in changes]))
+    cluster.agree("compare its share")
+    return [[Change(**c) for c in json.loads(cluster.hear(f"diff/{i}"))] for i in range(cluster.count)]
 
 
 def _leaves(tree):

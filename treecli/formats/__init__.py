@@ -218,9 +218,14 @@ def save(
         TreecliError: the tree cannot be stored in the format.
         NotDurableError: the output is in place but its directory sync failed.
     """
+    from treecli import _cluster
     from treecli.formats import _outputs
 
     options = options or WriteOptions()
+    cluster = _cluster.current()
+    if cluster is not None and is_url(target):
+        raise UsageError("a run of several processes writes to a shared filesystem, not a bucket; write the file, "
+                         "then copy it", file=str(target))
     if is_url(target):
         if not target.startswith(BUCKET_SCHEMES):
             raise UsageError("treecli writes to s3:// and gs:// buckets; HTTP servers and the Hub are read only",
@@ -239,7 +244,10 @@ def save(
     # the inputs the caller names, and every file the tree's lazy leaves still read from
     sources = _outputs.sources_of([*inputs, *map(Path, _tree.sources(tree))])
     with _writing(target):
-        _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
+        if cluster is not None:
+            _outputs.write_together(fmt, tree, target, is_dir, options, sources, force, cluster, verify is not None)
+        else:
+            _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
     return target
 
 
@@ -254,8 +262,12 @@ def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = Non
         UsageError: a CheckpointManager step, a format change, or a directory
             holding files the format's writer would not write back.
     """
+    from treecli import _cluster
     from treecli.formats import _outputs
 
+    if _cluster.current() is not None:
+        raise UsageError("a run of several processes writes a new file; use -o instead of --in-place",
+                         file=checkpoint.file)
     if format and format != checkpoint.format:
         raise UsageError(f"--in-place keeps the input's format ({checkpoint.format}); write {format} with -o",
                          file=checkpoint.file)

@@ -110,6 +110,20 @@ class WriteOptions:
         return writer.Writeback(f, self.readback.file(f) if self.readback is not None else None)
 
 
+@dataclass
+class FilePlan:
+    """A one-file output laid out before any byte is written: its header, and where each
+    leaf's bytes go. Several processes that plan the same tree agree on every offset, so
+    each can write its own share of the bytes (``_outputs.write_together``)."""
+
+    head: bytes
+    leaves: list[tuple[int, Any]]  # (offset in the file, the leaf written there), in order
+
+    @property
+    def size(self) -> int:
+        return self.leaves[-1][0] + self.leaves[-1][1].nbytes if self.leaves else len(self.head)
+
+
 class Format:
     """One checkpoint format: how to recognise it, open it lazily and write it.
 
@@ -137,6 +151,12 @@ class Format:
     writes_directories: ClassVar[bool] = False
     #: Whether ``write_remote`` streams it into a bucket.
     writes_to_buckets: ClassVar[bool] = False
+
+    def plan(self, tree: Any, file: str, options: WriteOptions) -> FilePlan | None:
+        """The layout of a one-file output, for a run of several processes to write
+        together; None: this format's writer writes alone (its bytes depend on each other:
+        a zip's CRCs, msgpack's lengths, Orbax's own writer)."""
+        return None
 
     def sniff(self, path: Path) -> str | None:
         """None if the file or directory looks like this format, else why not (shown when

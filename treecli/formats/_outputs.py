@@ -21,10 +21,12 @@ go through before anything is written (docs/safety.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -143,6 +145,92 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
         if verify:
             verify(tmp)
             writer.drop_cached(tmp)
+
+
+def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions, sources: Sequence[Path],
+                   force: bool, cluster: Any, verify: bool) -> None:
+    """Write one output file with every process of a run, each its share of the bytes.
+
+    Every process checks the target as :func:`write` does and plans the same layout
+    (``fmt.plan``); process 0 makes the temporary (the header, then the file at its
+    full size) and says its name; each process writes its share (``_cluster.share``),
+    fsyncs, and with ``verify`` reads it back against the leaves; process 0 renames the
+    temporary into place only after every process has said its share is written. A
+    failure in any process removes the temporary: nothing is published.
+
+    Raises:
+        UsageError: the format cannot be written by several processes (a directory, a
+            zip, Orbax's writer).
+        ClusterFailure: a process failed (each failure named).
+    """
+    from treecli import _cluster
+
+    plan = None if is_dir else fmt.plan(tree, str(target), options)
+    if plan is None:
+        raise UsageError(f"a run of several processes writes one safetensors file, not {fmt.name}"
+                         f"{' directories' if is_dir else ''}; write that file, then convert it from one process",
+                         file=str(target))
+    existing = check_target(target, sources, force=force)
+    if existing is not None and stat.S_ISDIR(existing.st_mode):
+        raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
+    check_room(fmt, tree, target.parent, target)
+    publishing = contextlib.ExitStack()
+    try:
+        error = None
+        if cluster.publishes:
+            error = _one_line(lambda: cluster.tell("output", str(_start_file(publishing, target, plan))), target)
+        cluster.agree("create the output", error)
+        tmp = cluster.hear("output")
+        begin, end = _cluster.share(plan.size - len(plan.head), cluster)
+        cluster.agree("write its share", _one_line(
+            lambda: _write_share(tmp, target, plan, len(plan.head) + begin, len(plan.head) + end, options, verify),
+            target))
+    except BaseException:
+        publishing.__exit__(*sys.exc_info())  # the temporary goes
+        raise
+    cluster.agree("publish", _one_line(publishing.close, target))
+
+
+def _start_file(publishing: contextlib.ExitStack, target: Path, plan: Any) -> Path:
+    """The temporary of a file written together: its header, then its full size (a hole)."""
+    tmp = publishing.enter_context(_atomic.atomic_file(target))
+    with open(tmp, "wb") as f:
+        f.write(plan.head)
+        f.truncate(plan.size)
+    return tmp
+
+
+def _write_share(tmp: str, target: Path, plan: Any, begin: int, end: int, options: WriteOptions,
+                 verify: bool) -> None:
+    fd = os.open(tmp, os.O_RDWR)
+    try:
+        writeback = writer.RangeWriteback(fd, begin)
+        for offset, leaf in plan.leaves:
+            if offset < end and offset + leaf.nbytes > begin:
+                writer.write_range(fd, leaf, offset, begin, end, writeback, options.progress)
+        os.fsync(fd)
+        if verify:
+            for offset, leaf in plan.leaves:
+                if offset < end and offset + leaf.nbytes > begin and not writer.same_range(fd, leaf, offset, begin,
+                                                                                             end):
+                    raise TreecliError("verification failed: the bytes written differ from the leaf's "
+                                       "(read back from the disk)", file=str(target))
+    finally:
+        os.close(fd)
+
+
+def _one_line(step: Callable[[], Any], target: Path) -> str | None:
+    """Run one process's part of a step: None if it went well, else its one line for the
+    others (an error here must not leave them waiting at the next barrier)."""
+    try:
+        step()
+    except TreecliError as e:
+        return str(e.with_file(str(target), replace=str(target.parent / _atomic.TMP_PREFIX)))
+    except OSError as e:
+        return f"{target}: cannot write: {e.strerror or e}"
+    except Exception as e:  # a bug: said, not hidden, but the other processes must hear of it too
+        return f"internal error: {type(e).__name__}: {e}"
+    return None
 
 
 def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:

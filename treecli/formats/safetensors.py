@@ -20,7 +20,7 @@ from treecli._bytes.local import FileReader, open_regular, read_text
 from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import INDEX_SUFFIX
 from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header
@@ -77,6 +77,12 @@ class SafetensorsFormat(Format):
             _write_directory(entries, target, options)
         else:
             _write_file(target, entries, options.metadata, options)
+
+    def plan(self, tree: Any, file: str, options: WriteOptions) -> FilePlan:
+        entries = _entries_for_writing(tree, file, options)
+        head = _encode_header(entries, options.metadata)
+        offsets = itertools.accumulate((leaf.nbytes for _, leaf in entries), initial=len(head))
+        return FilePlan(head, [(offset, leaf) for offset, (_, leaf) in zip(offsets, entries)])
 
     def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
         _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
