@@ -160,6 +160,57 @@ def test_formats_written_alone_are_refused_with_the_way_out(models, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+PROGRAM = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np, treecli
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from treecli._bytes import local
+
+pid, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+mesh = Mesh(np.array(jax.devices()), ("x",))  # 4 devices, 2 in each process
+w = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+like = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("x"))),
+        "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P()))}
+read = [0]
+view = local.FileReader.read_view
+local.FileReader.read_view = lambda self, buffer, offset: (read.__setitem__(0, read[0] + len(memoryview(buffer))),
+                                                           view(self, buffer, offset))[1]
+tree = treecli.load(f"{base}/m.safetensors", like=like)  # written by the test beforehand
+assert not tree["w"].is_fully_addressable and len(tree["w"].addressable_shards) == 2
+for shard in tree["w"].addressable_shards:
+    assert np.asarray(shard.data).tobytes() == w[shard.index].tobytes()
+assert read[0] == w.nbytes // 2 + 32, read[0]  # its own rows of w, and b (replicated) whole
+try:
+    treecli.save(tree, f"{base}/out.safetensors")
+except treecli.UsageError as e:
+    assert "save it as an Orbax checkpoint" in str(e), str(e)
+else:
+    raise AssertionError("global arrays were written to safetensors")
+treecli.save(tree, f"{base}/out", format="orbax")  # every process its own shards
+jax.distributed.shutdown()
+print("ok")
+"""
+
+
+def test_a_jax_program_of_two_processes_loads_its_shards_and_saves_orbax(tmp_path):
+    import treecli
+
+    w = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+    treecli.save({"w": w, "b": np.ones(8, np.float32)}, tmp_path / "m.safetensors")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM, str(i), str(port), str(tmp_path)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 and out.strip().endswith("ok") for p, (out, _) in zip(procs, results)), \
+        [err[-1500:] for _, err in results]
+    written = tmp_path / "out"
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in written.iterdir()}  # Orbax's own layout
+    back = treecli.load(written, lazy=False)  # read here, by one process
+    assert np.asarray(back["w"]).tobytes() == w.tobytes() and np.asarray(back["b"]).tolist() == [1.0] * 8
+
+
 def test_incomplete_options_are_one_line():
     result = alone("--coordinator", "127.0.0.1:1", "show", "x.safetensors")
     assert result.returncode == 2

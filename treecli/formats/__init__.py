@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import urllib.parse
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Sequence
@@ -244,7 +245,9 @@ def save(
     # the inputs the caller names, and every file the tree's lazy leaves still read from
     sources = _outputs.sources_of([*inputs, *map(Path, _tree.sources(tree))])
     with _writing(target):
-        if cluster is not None:
+        if _holds_global_arrays(tree):
+            _outputs.write_global(fmt, tree, target, options, sources, force)
+        elif cluster is not None:
             _outputs.write_together(fmt, tree, target, is_dir, options, sources, force, cluster, verify is not None)
         else:
             _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
@@ -276,6 +279,14 @@ def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = Non
         raise UsageError(f"treecli cannot write {fmt.name} files", file=checkpoint.file)
     with _writing(Path(checkpoint.file)):
         return _outputs.write_in_place(fmt, tree, checkpoint, options or WriteOptions())
+
+
+def _holds_global_arrays(tree: Any) -> bool:
+    """Whether some leaf is a JAX array of which this process holds only some shards (a
+    program of several processes)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                                   for x in _tree.leaves(tree))
 
 
 @contextlib.contextmanager

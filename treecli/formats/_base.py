@@ -194,6 +194,16 @@ class Format:
 
         raise UsageError(f"treecli does not rewrite sharded {self.name} checkpoints in place", file=str(origin.path))
 
+    def write_global(self, tree: Any, target: Path, options: WriteOptions, replace: bool) -> None:
+        """Write, together with every other process of a JAX program, a tree of global arrays
+        (each process holding only its shards): each process its own shards."""
+        from treecli._errors import UsageError
+
+        raise UsageError(f"the tree holds global arrays of a program of several processes (each holds only its own "
+                         f"shards), which {self.name} files cannot be written from: save it as an Orbax checkpoint "
+                         "(each process writes its shards, as Orbax does), or gather the arrays first "
+                         "(jax.experimental.multihost_utils.process_allgather)", file=str(target))
+
     def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
         """Write into a bucket (``writes_to_buckets``), appearing only when complete."""
         from treecli._errors import UsageError

@@ -27,9 +27,30 @@ _PLAIN_VALUES = (str, int, float, bool, type(None))
 
 def write(tree: Any, target: Path, options: WriteOptions) -> None:
     """Save with Orbax's PyTree handler, which needs the whole tree in memory."""
+    import orbax.checkpoint as ocp
+
+    data = _in_memory(_storable(tree, str(target), options), options)
+    # target is the empty directory the atomic writer made inside its locked holder;
+    # Orbax replaces it (force), keeping its own temporaries in the holder too.
+    with _orbax_errors(), ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(target), data, force=True)
+
+
+def write_global(tree: Any, target: Path, options: WriteOptions, replace: bool) -> None:
+    """Save global arrays with every process of the program: Orbax writes each process's
+    shards (its own ``ocdbt.process_N``), commits once all have, and makes the save
+    atomic itself (a temporary directory, renamed by the primary process)."""
+    import orbax.checkpoint as ocp
+
+    data = _in_memory(_storable(tree, str(target), options), options)
+    with _orbax_errors(), ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(target), data, force=replace)
+
+
+def _in_memory(tree: Any, options: WriteOptions) -> Any:
+    """What Orbax's handler is given: JAX arrays as they are, every other array read."""
     import numpy as np
 
-    tree = _storable(tree, str(target), options)
     needed = _tree.array_bytes(tree)
     available = _memory.available()
     # Measured: writing 0.5 GiB peaked at 1.7 GB (our arrays, Orbax's and tensorstore's buffers, jax).
@@ -54,13 +75,7 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
             return np.asarray(array)
         return x
 
-    import orbax.checkpoint as ocp
-
-    data = _tree.map_leaves(materialize, tree)
-    # target is the empty directory the atomic writer made inside its locked holder;
-    # Orbax replaces it (force), keeping its own temporaries in the holder too.
-    with _orbax_errors(), ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(target), data, force=True)
+    return _tree.map_leaves(materialize, tree)
 
 
 @contextlib.contextmanager

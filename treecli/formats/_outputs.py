@@ -147,6 +147,23 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
             writer.drop_cached(tmp)
 
 
+def write_global(fmt: Any, tree: Any, target: Path, options: WriteOptions, sources: Sequence[Path],
+                 force: bool) -> None:
+    """Write global arrays with every process of a JAX program (``fmt.write_global``:
+    Orbax's writer, each process its own shards), after the checks :func:`write` makes.
+
+    Raises:
+        UsageError: a format that global arrays cannot be written to, naming the way out.
+    """
+    existing = check_target(target, sources, force=force)
+    if existing is not None and not stat.S_ISDIR(existing.st_mode):
+        raise UsageError(f"output is a file; a {fmt.name} checkpoint of global arrays is a directory: name a new one",
+                         file=str(target))
+    if existing is not None:
+        check_replaceable_directory(target, fmt, [], sources)
+    fmt.write_global(tree, target, options, replace=existing is not None)
+
+
 def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions, sources: Sequence[Path],
                    force: bool, cluster: Any, verify: bool) -> None:
     """Write one output file with every process of a run, each its share of the bytes.

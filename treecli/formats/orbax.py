@@ -73,6 +73,11 @@ class OrbaxFormat(Format):
 
         _orbax_write.write_remote(tree, url, options, replace)
 
+    def write_global(self, tree: Any, target: Path, options: WriteOptions, replace: bool) -> None:
+        from treecli.formats import _orbax_write
+
+        _orbax_write.write_global(tree, target, options, replace)
+
 
 def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
     """An Orbax checkpoint, CheckpointManager step or root in a local directory or a bucket."""
