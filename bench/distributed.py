@@ -4,8 +4,9 @@ Each run launches ``treecli --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I average ...`` N times on this machine, JAX's distributed runtime
 carrying their messages, and reports the wall time of the run (launch to the last
 exit) beside the single-process command, each process's bytes read from the inputs
-(counted at treecli's own reader) and that the outputs are byte-identical. Interleaved
-rounds, medians.
+(counted at treecli's own reader) and that the outputs are byte-identical, and the
+same run's fixed cost: an ``average`` of three 4-byte files (starting Python, JAX and
+the runtime, then leaving it together). Interleaved rounds, medians.
 
     python bench/distributed.py [--gib 1] [--rounds 3] [--processes 1,2,4] [--dir /tmp]
 """
@@ -86,8 +87,13 @@ def main() -> None:
             save_file(tree, str(path))
             inputs.append(str(path))
             del tree
+        tiny = []
+        for seed in range(3):
+            save_file({"x": np.full(1, seed, np.float32)}, str(work / f"tiny{seed}.safetensors"))
+            tiny.append(str(work / f"tiny{seed}.safetensors"))
         total = sum(os.path.getsize(p) for p in inputs)
         times: dict[int, list[float]] = {c: [] for c in counts}
+        fixed: dict[int, list[float]] = {c: [] for c in counts}
         reads: dict[int, list[int]] = {}
         digests: dict[int, str] = {}
         for _ in range(args.rounds):
@@ -98,13 +104,16 @@ def main() -> None:
                 reads[count] = read
                 digests[count] = hashlib.sha256(out.read_bytes()).hexdigest()
                 out.unlink()
+                fixed[count].append(run(count, ["average", *tiny, "-o", str(out), "--force"])[0])
+                out.unlink()
         print(f"average of 3 x {total / 3 / 2**30:.2f} GiB fp32; {os.cpu_count()} CPUs; medians of {args.rounds}")
-        print(f"{'processes':>9} {'seconds':>8} {'vs 1':>6}  bytes read by each process (of {total / 2**30:.2f} GiB)")
+        print(f"{'processes':>9} {'seconds':>8} {'vs 1':>6} {'fixed':>6}  bytes read by each process "
+              f"(of {total / 2**30:.2f} GiB)")
         one = statistics.median(times[counts[0]])
         for count in counts:
             median = statistics.median(times[count])
             shares = ", ".join(f"{r / 2**30:.3f} GiB ({r / total:.0%})" for r in reads[count])
-            print(f"{count:>9} {median:8.2f} {one / median:5.2f}x  {shares}")
+            print(f"{count:>9} {median:8.2f} {one / median:5.2f}x {statistics.median(fixed[count]):6.2f}  {shares}")
         print("outputs byte-identical:", len(set(digests.values())) == 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
