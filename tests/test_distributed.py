@@ -100,6 +100,34 @@ def test_every_writing_command_on_two_processes_is_byte_identical_to_one(models,
     assert file_sha256(tmp_path / "two.safetensors") == file_sha256(tmp_path / "one.safetensors")
 
 
+def test_an_hf_directory_written_by_three_processes_is_the_one_one_writes(models, tmp_path):
+    """Shards, index and the input's companion files (config.json), each file byte-identical."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}\n')
+    (source / "model.safetensors").write_bytes(models[0].read_bytes())
+    for count, name in ((1, "one"), (3, "three")):
+        args = ["convert", source, tmp_path / name, "--max-shard-size", "300KB"]
+        results = [alone(*args)] if count == 1 else launch(count, *args)
+        assert [r.returncode for r in results] == [0] * count, [r.stderr[-800:] for r in results]
+    one, three = ({p.name: file_sha256(p) for p in (tmp_path / n).iterdir()} for n in ("one", "three"))
+    assert one == three and "model.safetensors.index.json" in one and "config.json" in one
+    assert len([n for n in one if n.startswith("model-")]) >= 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "source", "three"]
+
+
+def test_an_orbax_checkpoint_written_by_two_processes_holds_what_one_writes(models, tmp_path):
+    """Each process its own rows, in Orbax's multi-process layout (an ``ocdbt.process_N``
+    each), committed once: the values are one process's, bit for bit."""
+    results = launch(2, "edit", models[0], "--scale", "embed=0.5", "-o", tmp_path / "two", "--format", "orbax")
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-1500:] for r in results]
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (tmp_path / "two").iterdir()}
+    single = alone("edit", models[0], "--scale", "embed=0.5", "-o", tmp_path / "one.safetensors")
+    assert single.returncode == 0, single.stderr
+    same = alone("diff", tmp_path / "two", tmp_path / "one.safetensors")
+    assert same.returncode == 0, same.stdout + same.stderr
+
+
 def test_diff_on_three_processes_says_what_one_says(models):
     single = alone("diff", models[0], models[1], "--json")
     results = launch(3, "diff", models[0], models[1], "--json")
@@ -156,7 +184,8 @@ def test_formats_written_alone_are_refused_with_the_way_out(models, tmp_path):
     results = launch(2, "convert", models[0], tmp_path / "out.npz")
     assert [r.returncode for r in results] == [2, 2]
     for r in results:
-        assert "several processes writes one safetensors file, not npz" in r.stderr and "Traceback" not in r.stderr
+        assert "several processes writes safetensors and Orbax, not npz" in r.stderr
+        assert "Traceback" not in r.stderr
     assert not list(tmp_path.iterdir())
 
 

@@ -100,6 +100,9 @@ for name, path in paths.items():
         assert np.asarray(array).tobytes() == expected.tobytes(), (name, key)
         for shard in array.addressable_shards:
             assert np.asarray(shard.data).tobytes() == expected[shard.index].tobytes(), (name, key, shard.index)
+np.save(f"{base}/w.npy", tree["w"])  # a one-leaf file: the template is that leaf
+one = treecli.load(f"{base}/w.npy", like=like["w"])
+assert one.sharding == shardings["w"] and np.asarray(one).tobytes() == tree["w"].tobytes()
 # a compressed member is decompressed once, then sliced, not once per shard
 assert sorted(decompressions) == ["e", "i", "s", "w"], decompressions
 

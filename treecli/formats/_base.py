@@ -112,9 +112,8 @@ class WriteOptions:
 
 @dataclass
 class FilePlan:
-    """A one-file output laid out before any byte is written: its header, and where each
-    leaf's bytes go. Several processes that plan the same tree agree on every offset, so
-    each can write its own share of the bytes (``_outputs.write_together``)."""
+    """One output file laid out before any byte is written: its header, and where each
+    leaf's bytes go."""
 
     head: bytes
     leaves: list[tuple[int, Any]]  # (offset in the file, the leaf written there), in order
@@ -122,6 +121,17 @@ class FilePlan:
     @property
     def size(self) -> int:
         return self.leaves[-1][0] + self.leaves[-1][1].nbytes if self.leaves else len(self.head)
+
+
+@dataclass
+class OutputPlan:
+    """An output laid out before any byte is written: its files (by name in the output
+    directory; ``""`` for a one-file output), and what is written last, once every file
+    is (an HF index). Several processes that plan the same tree agree on every offset,
+    so each can write its own share of the bytes (``_outputs.write_together``)."""
+
+    files: list[tuple[str, FilePlan]]
+    last: Callable[[Path], None] | None = None  # given the directory
 
 
 class Format:
@@ -151,11 +161,13 @@ class Format:
     writes_directories: ClassVar[bool] = False
     #: Whether ``write_remote`` streams it into a bucket.
     writes_to_buckets: ClassVar[bool] = False
+    #: Whether ``write_global`` writes global arrays, each process its own shards.
+    writes_global_arrays: ClassVar[bool] = False
 
-    def plan(self, tree: Any, file: str, options: WriteOptions) -> FilePlan | None:
-        """The layout of a one-file output, for a run of several processes to write
-        together; None: this format's writer writes alone (its bytes depend on each other:
-        a zip's CRCs, msgpack's lengths, Orbax's own writer)."""
+    def plan(self, tree: Any, file: str, options: WriteOptions, directory: bool) -> OutputPlan | None:
+        """The layout of an output (a file, or a ``directory``), for a run of several
+        processes to write together; None: this format's writer writes alone (its bytes
+        depend on each other: a zip's CRCs, msgpack's lengths, Orbax's own writer)."""
         return None
 
     def sniff(self, path: Path) -> str | None:

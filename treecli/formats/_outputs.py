@@ -127,13 +127,7 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
         with _atomic.atomic_directory(target, replace=existing is not None) as built:
             fmt.write(tree, built, options)
-            for companion in options.companions:
-                if (built / companion.name).exists():
-                    continue
-                if companion.is_dir():
-                    shutil.copytree(companion, built / companion.name, symlinks=True)
-                else:
-                    shutil.copy2(companion, built / companion.name)
+            _copy_companions(built, options.companions)
             if verify:
                 verify(built)
                 writer.drop_cached(built)
@@ -166,74 +160,129 @@ def write_global(fmt: Any, tree: Any, target: Path, options: WriteOptions, sourc
 
 def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions, sources: Sequence[Path],
                    force: bool, cluster: Any, verify: bool) -> None:
-    """Write one output file with every process of a run, each its share of the bytes.
+    """Write one output (a file, or a directory of files) with every process of a run,
+    each its share of the bytes.
 
     Every process checks the target as :func:`write` does and plans the same layout
-    (``fmt.plan``); process 0 makes the temporary (the header, then the file at its
-    full size) and says its name; each process writes its share (``_cluster.share``),
-    fsyncs, and with ``verify`` reads it back against the leaves; process 0 renames the
-    temporary into place only after every process has said its share is written. A
-    failure in any process removes the temporary: nothing is published.
+    (``fmt.plan``); process 0 makes the temporary (each file's header, then the file at
+    its full size) and says where it is; each process writes its share of all the files'
+    data (``_cluster.share``), fsyncs, and with ``verify`` reads it back against the
+    leaves; once every process has said its share is written, process 0 writes what
+    comes last (an HF index, the companion files) and renames the temporary into place.
+    A failure in any process removes the temporary: nothing is published.
 
     Raises:
-        UsageError: the format cannot be written by several processes (a directory, a
-            zip, Orbax's writer).
+        UsageError: the format cannot be written by several processes (a zip, Orbax's
+            writer).
         ClusterFailure: a process failed (each failure named).
     """
     from treecli import _cluster
 
-    plan = None if is_dir else fmt.plan(tree, str(target), options)
+    plan = fmt.plan(tree, str(target), options, is_dir)
+    if plan is None and fmt.writes_global_arrays:
+        write_global(fmt, _spread(tree, str(target)), target, options, sources, force)
+        return
     if plan is None:
-        raise UsageError(f"a run of several processes writes one safetensors file, not {fmt.name}"
-                         f"{' directories' if is_dir else ''}; write that file, then convert it from one process",
-                         file=str(target))
+        raise UsageError(f"a run of several processes writes safetensors and Orbax, not {fmt.name}; "
+                         "write safetensors, then convert it from one process", file=str(target))
     existing = check_target(target, sources, force=force)
-    if existing is not None and stat.S_ISDIR(existing.st_mode):
-        raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
+    if existing is not None and stat.S_ISDIR(existing.st_mode) != is_dir:
+        raise UsageError(f"output is a {'file' if is_dir else 'directory'}; name a new one", file=str(target))
+    if existing is not None and is_dir:
+        check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
     check_room(fmt, tree, target.parent, target)
     publishing = contextlib.ExitStack()
     try:
         error = None
         if cluster.publishes:
-            error = _one_line(lambda: cluster.tell("output", str(_start_file(publishing, target, plan))), target)
+            error = _one_line(lambda: cluster.tell("output", str(_start(publishing, target, is_dir, existing, plan))),
+                              target)
         cluster.agree("create the output", error)
-        tmp = cluster.hear("output")
-        begin, end = _cluster.share(plan.size - len(plan.head), cluster)
-        cluster.agree("write its share", _one_line(
-            lambda: _write_share(tmp, target, plan, len(plan.head) + begin, len(plan.head) + end, options, verify),
-            target))
+        where = Path(cluster.hear("output"))
+        share = _cluster.share(sum(f.size - len(f.head) for _, f in plan.files), cluster)
+        cluster.agree("write its share", _one_line(lambda: _write_share(where, target, plan, share, options, verify),
+                                                   target))
+        if cluster.publishes and is_dir:
+            error = _one_line(lambda: _finish_directory(where, plan, options), target)
+        cluster.agree("finish the output", error)
     except BaseException:
         publishing.__exit__(*sys.exc_info())  # the temporary goes
         raise
     cluster.agree("publish", _one_line(publishing.close, target))
 
 
-def _start_file(publishing: contextlib.ExitStack, target: Path, plan: Any) -> Path:
-    """The temporary of a file written together: its header, then its full size (a hole)."""
-    tmp = publishing.enter_context(_atomic.atomic_file(target))
-    with open(tmp, "wb") as f:
-        f.write(plan.head)
-        f.truncate(plan.size)
-    return tmp
+def _spread(tree: Any, file: str) -> Any:
+    """The tree as global JAX arrays over every process's CPU devices, each array's rows
+    split among them where they divide evenly (else every process holds it whole): each
+    process reads only its rows, and Orbax's writer writes each process's own."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from treecli import _leaf, _pytree
+    from treecli._keypath import format_keypath
+
+    jax.config.update("jax_enable_x64", True)  # int64 stays int64 (this process is treecli's own)
+    devices = jax.devices("cpu")
+    mesh = Mesh(devices, ("processes",))
+    rows, whole = NamedSharding(mesh, PartitionSpec("processes")), NamedSharding(mesh, PartitionSpec())
+    chosen = {format_keypath(kp): rows if leaf.ndim and leaf.shape[0] % len(devices) == 0 else whole
+              for kp, leaf in ((kp, _leaf.as_leaf(x)) for kp, x in _tree.flatten(tree) if _leaf.is_array(x))}
+    return _pytree.onto_devices(tree, chosen.get, file=file)
 
 
-def _write_share(tmp: str, target: Path, plan: Any, begin: int, end: int, options: WriteOptions,
+def _start(publishing: contextlib.ExitStack, target: Path, is_dir: bool, existing: Any, plan: Any) -> Path:
+    """The temporary output, each file holding its header and at its full size (a hole)."""
+    where = publishing.enter_context(_atomic.atomic_directory(target, replace=existing is not None) if is_dir
+                                     else _atomic.atomic_file(target))
+    for name, file in plan.files:
+        with open(where / name if name else where, "wb") as f:
+            f.write(file.head)
+            f.truncate(file.size)
+    return where
+
+
+def _write_share(where: Path, target: Path, plan: Any, share: tuple[int, int], options: WriteOptions,
                  verify: bool) -> None:
-    fd = os.open(tmp, os.O_RDWR)
-    try:
-        writeback = writer.RangeWriteback(fd, begin)
-        for offset, leaf in plan.leaves:
-            if offset < end and offset + leaf.nbytes > begin:
-                writer.write_range(fd, leaf, offset, begin, end, writeback, options.progress)
-        os.fsync(fd)
-        if verify:
-            for offset, leaf in plan.leaves:
-                if offset < end and offset + leaf.nbytes > begin and not writer.same_range(fd, leaf, offset, begin,
-                                                                                             end):
-                    raise TreecliError("verification failed: the bytes written differ from the leaf's "
-                                       "(read back from the disk)", file=str(target))
-    finally:
-        os.close(fd)
+    """This process's bytes ``share`` of the data of every file, counted across the files in order."""
+    begin, end = share
+    before = 0  # data bytes of the files before this one
+    for name, file in plan.files:
+        data = file.size - len(file.head)
+        low, high = max(begin - before, 0), min(end - before, data)
+        before += data
+        if low >= high:
+            continue
+        low, high = low + len(file.head), high + len(file.head)
+        fd = os.open(where / name if name else where, os.O_RDWR)
+        try:
+            writeback = writer.RangeWriteback(fd, low)
+            touched = [(offset, leaf) for offset, leaf in file.leaves if offset < high and offset + leaf.nbytes > low]
+            for offset, leaf in touched:
+                writer.write_range(fd, leaf, offset, low, high, writeback, options.progress)
+            os.fsync(fd)
+            if verify and not all(writer.same_range(fd, leaf, offset, low, high) for offset, leaf in touched):
+                raise TreecliError("verification failed: the bytes written differ from the leaf's (read back from "
+                                   "the disk)", file=str(target / name if name else target))
+        finally:
+            os.close(fd)
+
+
+def _finish_directory(built: Path, plan: Any, options: WriteOptions) -> None:
+    """What process 0 writes once every share is: the companion files, then the index."""
+    _copy_companions(built, options.companions)
+    if plan.last is not None:
+        plan.last(built)
+
+
+def _copy_companions(built: Path, companions: Sequence[Path]) -> None:
+    """The input directory's other files (config.json, tokenizer files), unless written."""
+    for companion in companions:
+        if (built / companion.name).exists():
+            continue
+        if companion.is_dir():
+            shutil.copytree(companion, built / companion.name, symlinks=True)
+        else:
+            shutil.copy2(companion, built / companion.name)
 
 
 def _one_line(step: Callable[[], Any], target: Path) -> str | None:

@@ -73,6 +73,8 @@ class OrbaxFormat(Format):
 
         _orbax_write.write_remote(tree, url, options, replace)
 
+    writes_global_arrays = True
+
     def write_global(self, tree: Any, target: Path, options: WriteOptions, replace: bool) -> None:
         from treecli.formats import _orbax_write
 

@@ -20,7 +20,7 @@ from treecli._bytes.local import FileReader, open_regular, read_text
 from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import INDEX_SUFFIX
 from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header
@@ -78,11 +78,19 @@ class SafetensorsFormat(Format):
         else:
             _write_file(target, entries, options.metadata, options)
 
-    def plan(self, tree: Any, file: str, options: WriteOptions) -> FilePlan:
+    def plan(self, tree: Any, file: str, options: WriteOptions, directory: bool) -> OutputPlan:
+        """The file, or the HF directory's shards (as ``write`` names and fills them) and its
+        index, written last."""
         entries = _entries_for_writing(tree, file, options)
-        head = _encode_header(entries, options.metadata)
-        offsets = itertools.accumulate((leaf.nbytes for _, leaf in entries), initial=len(head))
-        return FilePlan(head, [(offset, leaf) for offset, (_, leaf) in zip(offsets, entries)])
+        if not directory:
+            return OutputPlan([("", _file_plan(entries, options.metadata))])
+        shards = _shards(entries, options.max_shard_size)
+        if len(shards) == 1:
+            return OutputPlan([("model.safetensors", _file_plan(shards[0], options.metadata))])
+        names = _shard_names(len(shards), set())
+        weight_map = {key: name for name, shard in zip(names, shards) for key, _ in shard}
+        return OutputPlan([(name, _file_plan(shard, options.metadata)) for name, shard in zip(names, shards)],
+                          last=lambda d: _write_index(d / "model.safetensors.index.json", entries, weight_map))
 
     def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
         _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
@@ -283,6 +291,12 @@ def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, 
         _write_stream(f, head, entries, str(path), options, options.writeback(f))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _file_plan(entries: list[tuple[str, Any]], metadata: dict[str, Any]) -> FilePlan:
+    head = _encode_header(entries, metadata)
+    offsets = itertools.accumulate((leaf.nbytes for _, leaf in entries), initial=len(head))
+    return FilePlan(head, [(offset, leaf) for offset, (_, leaf) in zip(offsets, entries)])
 
 
 def _encode_header(entries: list[tuple[str, Any]], metadata: dict[str, Any]) -> bytes:
