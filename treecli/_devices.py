@@ -117,11 +117,12 @@ def place(leaves: Sequence[tuple[_leaf.ArrayLeaf, Any]], names: Sequence[str] = 
     import jax
 
     for i, (leaf, _) in enumerate(leaves):
-        if jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype:
+        narrowed = jax.dtypes.canonicalize_dtype(leaf.dtype)
+        if narrowed != leaf.dtype:
             article = "an" if leaf.dtype_name[0] in "aeiou" else "a"
-            raise UsageError(f"{article} {leaf.dtype_name} leaf would become {jax.dtypes.canonicalize_dtype(leaf.dtype)} "
-                             "on a JAX device: enable 64-bit types first (jax.config.update('jax_enable_x64', "
-                             "True))", keypath=names[i] if i < len(names) else None)
+            raise UsageError(f"{article} {leaf.dtype_name} leaf would become {narrowed} on a JAX device: enable 64-bit "
+                             "types first (jax.config.update('jax_enable_x64', True))",
+                             keypath=names[i] if i < len(names) else None)
     per_leaf = [_pieces(leaf, sharding) for leaf, sharding in leaves]
     tasks = [piece for pieces in per_leaf for piece in pieces]
     if len(tasks) <= 1 or readers <= 1:
