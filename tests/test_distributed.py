@@ -240,6 +240,26 @@ def test_a_jax_program_of_two_processes_loads_its_shards_and_saves_orbax(tmp_pat
     assert np.asarray(back["w"]).tobytes() == w.tobytes() and np.asarray(back["b"]).tolist() == [1.0] * 8
 
 
+def test_distributed_finds_a_slurm_step_as_jax_does(models, tmp_path):
+    """``--distributed`` alone: JAX reads SLURM's variables (here those of a two-task step
+    on this host), as ``jax.distributed.initialize()`` does in any JAX program."""
+    for port in range(61440 + os.getpid() % 4000, 65536):  # SLURM's coordinator port: the job id's
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+    slurm = {"SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
+             "SLURM_STEP_NUM_NODES": "1"}
+    args = ["--distributed", "average", *models, "-o", tmp_path / "slurm.safetensors"]
+    procs = [subprocess.Popen([sys.executable, "-m", "treecli", *map(str, args)],
+                              env={**ENV, **slurm, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    single = alone("average", *models, "-o", tmp_path / "one.safetensors")
+    assert single.returncode == 0, single.stderr
+    assert file_sha256(tmp_path / "slurm.safetensors") == file_sha256(tmp_path / "one.safetensors")
+
+
 def test_incomplete_options_are_one_line():
     result = alone("--coordinator", "127.0.0.1:1", "show", "x.safetensors")
     assert result.returncode == 2
