@@ -7,6 +7,7 @@ order, each in a fresh sandbox (a later line may use an earlier line's output);
 each --help example runs in a fresh sandbox of its own.
 """
 
+import json
 import re
 import shlex
 import shutil
@@ -94,7 +95,26 @@ def template(tmp_path_factory) -> Path:
     _manager(box / "run2", (100, 200, 300), 1)
     _manager(box / "runs" / "exp1", (1000, 2000), 2)
     _equinox_model(box)
+    _pytorch_files(box)
     return box
+
+
+def _pytorch_files(box: Path) -> None:
+    """`pytorch_model.bin`, a training `checkpoint.pt` and an HF directory of `.bin` shards."""
+    torch = pytest.importorskip("torch")
+    state = {f"model.layers.{i}.weight": torch.randn(8, 4) for i in range(2)}
+    torch.save(state, box / "pytorch_model.bin")
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "epoch": 3},
+               box / "checkpoint.pt")
+    hf = box / "Llama-2-7b-hf"
+    hf.mkdir()
+    names = {"pytorch_model-00001-of-00002.bin": ["model.layers.0.weight"],
+             "pytorch_model-00002-of-00002.bin": ["model.layers.1.weight"]}
+    for name, keys in names.items():
+        torch.save({k: state[k] for k in keys}, hf / name)
+    weight_map = {k: name for name, keys in names.items() for k in keys}
+    (hf / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (hf / "config.json").write_text('{"model_type": "llama"}')
 
 
 MODELS = """

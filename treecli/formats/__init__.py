@@ -30,6 +30,7 @@ FORMATS = {
     "npy": "treecli.formats.npy:NpyFormat",
     "eqx": "treecli.formats.eqx:EqxFormat",
     "orbax": "treecli.formats.orbax:OrbaxFormat",
+    "torch": "treecli.formats.torch:TorchFormat",
 }
 
 
@@ -152,7 +153,8 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
     """The format to write and whether the output is a directory.
 
     ``--format`` wins; else the extension of ``-o`` names it; else ``-o`` is a
-    directory in the first input's format.
+    directory in the first input's format (or the one it names for its directories:
+    an HF safetensors directory for PyTorch's).
 
     Raises:
         UsageError: the name ends in an extension treecli does not write (``out.h5``,
@@ -176,6 +178,8 @@ def output_format(target: Path, format: str | None, input_format: str | None) ->
     if input_format is None:
         raise UsageError(f"cannot tell the output format from the name; add {option('format', 'FORMAT')}",
                          file=str(target))
+    if get(input_format).directory_output:
+        return get(get(input_format).directory_output), True
     if not get(input_format).writes_directories:
         extension = (get(input_format).written_extensions or (".safetensors",))[0]
         raise UsageError(f"a name without an extension is a directory, and {input_format} checkpoints are files: "

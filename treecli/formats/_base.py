@@ -161,6 +161,9 @@ class Format:
     writes_directories: ClassVar[bool] = False
     #: Whether ``write_remote`` streams it into a bucket.
     writes_to_buckets: ClassVar[bool] = False
+    #: The format a directory output of this input format is written in, when this one
+    #: writes only files (PyTorch's HF directories become safetensors ones).
+    directory_output: ClassVar[str | None] = None
     #: Whether ``write_global`` writes global arrays, each process its own shards.
     writes_global_arrays: ClassVar[bool] = False
 

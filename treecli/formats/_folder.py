@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,32 @@ def hf_weights(folder: Any) -> tuple[str, str] | None:
         raise FormatError("directory holds several *.safetensors files but no *.safetensors.index.json; name one file",
                           file=folder.name)
     return ("file", files[0]) if files else None
+
+
+# Weights in other formats beside a checkpoint's own (pytorch_model.bin, tf_model.h5,
+# flax_model.msgpack, their indexes): never copied beside new weights, where they would
+# be stale and take precedence in some loaders.
+_OTHER_WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|npz|pkl)(\.index\.json)?")
+
+
+def companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
+    """What a directory output copies from an input directory: its other files and
+    sub-directories (config.json, tokenizer files, sentence-transformers' 1_Pooling/),
+    not dot-files, not weights. A symlink is followed only into the directory itself or,
+    for a Hugging Face cache snapshot, into the cache's blobs: a link elsewhere could
+    copy a host file into the output."""
+    real = os.path.realpath(directory)
+    blobs = os.path.realpath(os.path.join(directory, "..", "..", "blobs"))
+    out = []
+    for p in sorted(directory.iterdir()):
+        if p.name.startswith(".") or p.name in checkpoint_files or _OTHER_WEIGHTS.fullmatch(p.name):
+            continue
+        target = os.path.realpath(p)
+        if p.is_symlink() and not any(target.startswith(root + os.sep) for root in (real, blobs)):
+            continue
+        if p.is_file() or (p.is_dir() and not p.is_symlink()):
+            out.append(p)
+    return out
 
 
 def _relative_inside(name: str) -> str | None:

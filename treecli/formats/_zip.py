@@ -1,6 +1,7 @@
-"""Writing a zip of stored (uncompressed) members, as ``numpy.savez`` lays one out and as
-``zipfile`` writes it: each member's local header, its bytes, then the central directory,
-with zip64 records where a size, an offset or the count needs them.
+"""Zips of stored (uncompressed) members: where a member's bytes start (npz, PyTorch), and
+writing a zip as ``numpy.savez`` lays one out and as ``zipfile`` writes it: each
+member's local header, its bytes, then the central directory, with zip64 records where
+a size, an offset or the count needs them.
 
 Why not ``zipfile``'s writer: it takes each member's CRC-32 on the thread that writes
 (0.27 s per GiB here). A member written with :meth:`StoredZip.member` gets its CRC from
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import zipfile
+from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from treecli._bytes.local import open_regular
 from treecli._bytes.writer import Digest
-from treecli._errors import TreecliError
+from treecli._errors import FormatError, TreecliError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -99,3 +103,19 @@ def encoded_name(name: str) -> tuple[bytes, int]:
     if len(encoded) > 0xFFFF:
         raise ValueError(f"a zip member's name takes at most 65,535 bytes; this one takes {len(encoded):,}")
     return encoded, flags
+
+
+def stored_member_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored member's bytes start: after its local file header, which must name
+    the member as the central directory does (zipfile, and so np.load, checks that too)."""
+    with open_regular(path) as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        local_name = f.read(name_len)
+    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+    if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
+        raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=str(path))
+    return info.header_offset + 30 + name_len + extra_len

@@ -21,7 +21,6 @@ import collections
 import contextlib
 import json
 import os
-import struct
 import threading
 import zipfile
 import zlib
@@ -177,26 +176,10 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
                           file=file, keypath=key)
     native = dtype.byteorder in ("=", "|", "<")
     if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
-        return FileArrayLeaf(reader, _data_offset(path, info) + data_start, tuple(shape), name)
+        return FileArrayLeaf(reader, _zip.stored_member_offset(path, info) + data_start, tuple(shape), name)
     if fortran:
         return _FortranMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)
     return _StreamedMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)
-
-
-def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
-    """Where a stored member's bytes start: after its local file header, which must name
-    the member as the central directory does (zipfile, and so np.load, checks that too)."""
-    with open_regular(path) as f:
-        f.seek(info.header_offset)
-        local = f.read(30)
-        if len(local) < 30 or local[:4] != b"PK\x03\x04":
-            raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        local_name = f.read(name_len)
-    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
-    if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
-        raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=str(path))
-    return info.header_offset + 30 + name_len + extra_len
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
-from treecli.formats._folder import INDEX_SUFFIX
+from treecli.formats._folder import INDEX_SUFFIX, companions
 from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header
 
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
@@ -148,34 +148,8 @@ def _open_directory(path: Path) -> Checkpoint:
         return _open_index(path / name)
     checkpoint = _open_file(path / name)
     checkpoint.file = str(path)
-    checkpoint.companions = _companions(path, {name})
+    checkpoint.companions = companions(path, {name})
     return checkpoint
-
-
-# Weights in other formats beside the safetensors ones (pytorch_model.bin, tf_model.h5,
-# flax_model.msgpack, their indexes): never copied beside new weights, where they would
-# be stale and take precedence in some loaders.
-_OTHER_WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|npz|pkl)(\.index\.json)?")
-
-
-def _companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
-    """What a directory output copies from an input directory: its other files and
-    sub-directories (config.json, tokenizer files, sentence-transformers' 1_Pooling/),
-    not dot-files, not weights. A symlink is followed only into the directory itself or,
-    for a Hugging Face cache snapshot, into the cache's blobs: a link elsewhere could
-    copy a host file into the output."""
-    real = os.path.realpath(directory)
-    blobs = os.path.realpath(os.path.join(directory, "..", "..", "blobs"))
-    out = []
-    for p in sorted(directory.iterdir()):
-        if p.name.startswith(".") or p.name in checkpoint_files or _OTHER_WEIGHTS.fullmatch(p.name):
-            continue
-        target = os.path.realpath(p)
-        if p.is_symlink() and not any(target.startswith(root + os.sep) for root in (real, blobs)):
-            continue
-        if p.is_file() or (p.is_dir() and not p.is_symlink()):
-            out.append(p)
-    return out
 
 
 def _open_index(index_path: Path) -> Checkpoint:
@@ -203,7 +177,7 @@ def _open_index(index_path: Path) -> Checkpoint:
     stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in shards and not p.name.startswith("."))
     if stray:
         checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index_path.name}")
-    checkpoint.companions = _companions(directory, set(shards) | {index_path.name})
+    checkpoint.companions = companions(directory, set(shards) | {index_path.name})
     return checkpoint
 
 

@@ -1,0 +1,443 @@
+"""PyTorch's ``torch.save`` files (``.bin``, ``.pt``, ``.pth``), read without torch and
+without running anything from them.
+
+Two layouts:
+
+- the zip (PyTorch >= 1.6): ``NAME/data.pkl`` (the pickled object), ``NAME/data/KEY``
+  (each storage's bytes, stored uncompressed), ``NAME/byteorder``; ``NAME`` is the
+  file's stem when saved, so it is found, not assumed;
+- the legacy stream (``_use_new_zipfile_serialization=False``, PyTorch < 1.6): four
+  pickles (magic number, protocol, system info, the object), a pickled list of storage
+  keys, then each storage as an 8-byte element count and its bytes.
+
+The pickle is read by :mod:`._unpickle` with an allowlist of the globals PyTorch's
+``weights_only=True`` loader accepts for dense tensors (rebuild functions, storage
+types, dtypes, ``OrderedDict``, ``torch.Size``, plain containers): a file naming
+anything else is refused, naming the global. Each tensor becomes a lazy leaf over its
+storage's bytes: a C-contiguous one reads its byte ranges; a view with other strides
+(a transposed or strided slice) reads the span of storage it covers, once. Several
+tensors may share a storage. Dotted keys nest as safetensors' names do, so that
+``pytorch_model.bin`` and ``model.safetensors`` of one model have the same key paths.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treecli import _dtypes, _leaf, _tree
+from treecli._bytes.local import FileReader, identity, open_regular, read_text
+from treecli._errors import FormatError, RefusedError
+from treecli.formats import _flatkeys, _zip
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._filedata import FileArrayLeaf
+from treecli.formats._folder import companions
+from treecli.formats._unpickle import Global, Unpickler
+
+# The pickled object and the keys list of a legacy file are read from its first bytes,
+# at most this many: a state dict of 200k tensors pickles to about 30 MB.
+MAX_PICKLE_BYTES = 256 << 20
+# Containers and values walked to make the tree: a pickle's references can make a small
+# file describe an exponentially large tree (a list holding the same list twice, ...).
+MAX_NODES = 2_000_000
+# The first pickle of a legacy file: LONG1 of torch.serialization's MAGIC_NUMBER.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+# Storage classes by the dtype of their elements (PyTorch's legacy typed storages).
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+# torch.<name> dtypes a tensor may name (rebuild v3), as treecli's dtype names.
+_DTYPES = {
+    **{name: name for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                               "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128",
+                               "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                               "float8_e8m0fnu")},
+    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32", "short": "int16",
+    "cfloat": "complex64", "cdouble": "complex128",
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str | None  # None: an UntypedStorage (bytes; the tensor names its dtype)
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+
+
+@dataclass
+class _Storage:
+    """A storage a persistent id names: its key, element dtype and length."""
+
+    key: str
+    dtype: str | None
+    numel: int  # elements of ``dtype``; bytes for an untyped storage
+
+
+@dataclass
+class _Tensor:
+    storage: _Storage
+    offset: int  # in elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, dtype: str | None = None) -> _Tensor:
+    if not isinstance(storage, _Storage):
+        raise ValueError("the storage is not a persistent storage")
+    dtype = dtype or storage.dtype
+    if dtype is None:
+        raise ValueError("an untyped storage with no dtype")
+    shape, stride = tuple(size), tuple(stride)
+    if not all(type(v) is int and v >= 0 for v in (offset, *shape, *stride)) or len(shape) != len(stride):
+        raise ValueError(f"size {list(shape)}, stride {list(stride)}, offset {offset!r}")
+    return _Tensor(storage, offset, shape, stride, dtype)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
+                *metadata: Any) -> _Tensor:
+    if not isinstance(dtype, _DType):
+        raise ValueError("the dtype is not a torch dtype")
+    return _rebuild(storage, offset, size, stride, dtype=dtype.name)
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """A tensor (or Parameter) with Python attributes: the tensor; its attributes are not data."""
+    if not (isinstance(func, Global) and func.name in _TENSOR_REBUILDS and isinstance(new_type, Global)
+            and new_type.name in ("torch.Tensor", "torch.nn.parameter.Parameter")):
+        raise ValueError("a tensor subclass, which treecli does not rebuild")
+    return func.build(*args)
+
+
+def _refuse(what: str):
+    def refuse(*args: Any) -> Any:
+        raise RefusedError(f"refused: {what}, which treecli does not read")
+    return refuse
+
+
+_TENSOR_REBUILDS = {
+    "torch._utils._rebuild_tensor": _rebuild,
+    "torch._utils._rebuild_tensor_v2": _rebuild,
+    "torch._utils._rebuild_tensor_v3": _rebuild_v3,
+    "torch._utils._rebuild_parameter": lambda data, *rest: data,
+    "torch._utils._rebuild_parameter_with_state": lambda data, *rest: data,
+}
+
+# The globals a checkpoint may name, each a function of plain data: PyTorch's own
+# weights_only allowlist, less what treecli cannot represent (refused by name).
+ALLOWED = {
+    **_TENSOR_REBUILDS,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+    "collections.OrderedDict": lambda *args: dict(*args),
+    "collections.Counter": lambda *args: dict(*args),
+    "torch.Size": tuple,
+    "torch.device": lambda *args: ":".join(map(str, args)),
+    "torch.serialization._get_layout": str,
+    "torch.Tensor": _refuse("a bare torch.Tensor call"),
+    "torch.nn.parameter.Parameter": _refuse("a bare Parameter call"),
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.bytearray": lambda *args: bytes(bytearray(*args)),
+    "_codecs.encode": lambda text, encoding="utf-8": text.encode(encoding),
+    "torch.storage.UntypedStorage": _StorageType(None),
+    **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_DTYPES.items()},
+    **{f"torch.{name}": _DType(dtype) for name, dtype in _DTYPES.items()},
+    "torch._utils._rebuild_sparse_tensor": _refuse("a sparse tensor"),
+    "torch._utils._rebuild_qtensor": _refuse("a quantized tensor"),
+    "torch._utils._rebuild_nested_tensor": _refuse("a nested tensor"),
+    "torch._utils._rebuild_meta_tensor_no_storage": _refuse("a meta tensor (no data)"),
+    "torch._utils._rebuild_wrapper_subclass": _refuse("a tensor subclass"),
+    "torch._utils._rebuild_device_tensor_from_numpy": _refuse("a tensor rebuilt from NumPy"),
+    "torch.complex32": _refuse("a complex32 tensor (no NumPy dtype holds it)"),
+    "torch.ComplexHalfStorage": _refuse("a complex32 storage (no NumPy dtype holds it)"),
+}
+
+
+class TorchFormat(Format):
+    """PyTorch's ``torch.save`` files, zip or legacy, read lazily and safely."""
+
+    name = "torch"
+    extensions = (".bin", ".pt", ".pth")
+    writable = True
+    holds_numbers = True  # a step counter stays a Python int, as in a training checkpoint
+    directory_output = "safetensors"  # an HF directory of .bin shards becomes one of safetensors
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        from treecli.formats import _torch_write
+
+        _torch_write.write(tree, target, options)
+
+    def sniff(self, path: Path) -> str | None:
+        if path.is_dir():
+            return None if _weights_in(path) is not None else f"no {_INDEX} or {_SINGLE}"
+        if path.name.endswith(".bin.index.json"):
+            return None
+        with open_regular(path) as f:
+            head = f.read(len(_LEGACY_MAGIC))
+        if head == _LEGACY_MAGIC:
+            return None
+        if not head.startswith(b"PK\x03\x04"):
+            return "neither a zip nor a legacy torch.save stream"
+        try:
+            with zipfile.ZipFile(path) as z:
+                return None if _archive_name(z.namelist()) is not None else "a zip without NAME/data.pkl"
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return "not a readable zip"
+
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        path = Path(path)
+        if path.is_dir():
+            kind, name = _weights_in(path) or ("file", _SINGLE)
+            checkpoint = self.open(path / name)
+            checkpoint.file = str(path)
+            checkpoint.companions = companions(path, {p.name for p in checkpoint.origin.files})
+            return checkpoint
+        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path), origin=Origin("file", path, [path]))
+        if path.name.endswith(".bin.index.json"):
+            items = _open_index(path, checkpoint)
+        else:
+            items = _open_file(path, checkpoint)
+        if len(items) == 1 and items[0][0] == "":
+            checkpoint.tree = items[0][1]  # the object is one tensor or value
+        else:
+            checkpoint.tree, warning = _flatkeys.nest(items, ".")
+            checkpoint.warnings.extend([warning] if warning else [])
+        return checkpoint
+
+
+_INDEX = "pytorch_model.bin.index.json"
+_SINGLE = "pytorch_model.bin"
+
+
+def _weights_in(directory: Path) -> tuple[str, str] | None:
+    """An HF directory's PyTorch weights: its shard index, else ``pytorch_model.bin``."""
+    if (directory / _INDEX).is_file():
+        return "index", _INDEX
+    return ("file", _SINGLE) if (directory / _SINGLE).is_file() else None
+
+
+def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
+    """One torch.save file's (dotted key, leaf or value) items; its reader closes with ``checkpoint``."""
+    with open_regular(path) as f:
+        file_identity = identity(os.fstat(f.fileno()))
+        legacy = f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+    reader = FileReader(str(path), file_identity)
+    checkpoint._closers.append(reader.close)
+    obj, places = _read_legacy(path, reader) if legacy else _read_zip(path, reader)
+    return _items_of(obj, places, reader, str(path))
+
+
+def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
+    """The items of every shard an HF ``pytorch_model.bin.index.json`` names, each tensor
+    checked to be in the shard the index maps it to."""
+    from treecli.formats.safetensors import shard_names
+
+    file = str(index_path)
+    weight_map, shards = shard_names(read_text(index_path), file)
+    items = []
+    for shard in shards:
+        shard_path = index_path.parent / shard
+        if not shard_path.exists():
+            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
+        for key, value in _open_file(shard_path, checkpoint):
+            if _leaf.is_array(value) and weight_map.get(key) != shard:
+                raise FormatError(f"tensor is stored in shard {shard} but the index maps it to "
+                                  f"{weight_map.get(key)!r}", file=file, keypath=key)
+            items.append((key, value))
+    missing = sorted(set(weight_map) - {key for key, _ in items})
+    if missing:
+        raise FormatError(f"the index names {len(missing)} tensors no shard holds (e.g. {missing[0]})", file=file)
+    checkpoint.origin = Origin("sharded", index_path, [index_path] + [index_path.parent / s for s in shards])
+    return items
+
+
+def _archive_name(names: list[str]) -> str | None:
+    """The folder a torch.save zip keeps its members in: the one holding ``data.pkl``."""
+    found = {name[: -len("/data.pkl")] for name in names if name.endswith("/data.pkl")}
+    found = {name for name in found if name and "/" not in name}
+    return found.pop() if len(found) == 1 else None
+
+
+def _read_zip(path: Path, reader: FileReader) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The unpickled object, and where each storage lies: (offset in the file, bytes)."""
+    file = str(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = {info.filename: info for info in z.infolist()}
+            prefix = _archive_name(list(infos))
+            if prefix is None:
+                raise FormatError("not a torch.save zip: no single NAME/data.pkl", file=file)
+            pickled = infos[f"{prefix}/data.pkl"]
+            if pickled.file_size > MAX_PICKLE_BYTES:
+                raise FormatError(f"data.pkl is {pickled.file_size:,} bytes, more than any checkpoint's pickle",
+                                  file=file)
+            data = z.read(pickled)
+            order = z.read(f"{prefix}/byteorder").strip() if f"{prefix}/byteorder" in infos else b"little"
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
+        raise FormatError(f"a damaged torch.save zip: {e}", file=file) from None
+    if order != b"little":
+        raise FormatError(f"stored {order.decode('ascii', 'replace')}-endian, which treecli does not read", file=file)
+    named: dict[str, _Storage] = {}
+    obj = Unpickler(data, file=file, allowed=ALLOWED, persistent=lambda pid: _storage(pid, named, file)).load()[0]
+    places = {}
+    for key in named:
+        info = infos.get(f"{prefix}/data/{key}")
+        if info is None:
+            raise FormatError(f"the pickle names storage {key!r}, which the zip does not hold", file=file)
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"storage {key!r} is compressed; torch.save stores storages as they are", file=file)
+        places[key] = (_zip.stored_member_offset(path, info), info.file_size)
+    return obj, places
+
+
+def _read_legacy(path: Path, reader: FileReader) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The same from a legacy stream: its pickles, then each storage's count and bytes."""
+    import numpy as np
+
+    file = str(path)
+    size = os.path.getsize(path)
+    head = np.empty(min(size, MAX_PICKLE_BYTES), np.uint8)
+    reader.read_into(head, 0)
+    data = head.tobytes()
+    named: dict[str, _Storage] = {}
+    at = 0
+    values = []
+    for _ in range(5):  # magic number, protocol version, system info, the object, the storage keys
+        value, at = Unpickler(data, file=file, allowed=ALLOWED, persistent=lambda pid: _storage(pid, named, file),
+                              start=at).load()
+        values.append(value)
+    magic, protocol, _, obj, keys = values
+    if protocol != 1001:
+        raise FormatError(f"legacy torch.save protocol {protocol!r}; treecli reads 1001", file=file)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or set(keys) != set(named):
+        raise FormatError("the list of storages does not name the storages the object holds", file=file)
+    places = {}
+    count = np.empty(1, "<i8")
+    for key in keys:
+        if at + 8 > size:
+            raise FormatError(f"the file ends before storage {key!r}", file=file)
+        reader.read_into(count, at)
+        nbytes = int(count[0]) * _itemsize(named[key])
+        if int(count[0]) != named[key].numel or at + 8 + nbytes > size:
+            raise FormatError(f"storage {key!r} holds {int(count[0])} elements where {named[key].numel} were "
+                              "named, or runs past the end of the file", file=file)
+        places[key] = (at + 8, nbytes)
+        at += 8 + nbytes
+    return obj, places
+
+
+def _itemsize(storage: _Storage) -> int:
+    return 1 if storage.dtype is None else _dtypes.itemsize(storage.dtype)
+
+
+def _storage(pid: Any, named: dict[str, _Storage], file: str) -> _Storage:
+    """A persistent id: ``('storage', type, key, location, numel[, view])``."""
+    if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and type(pid[4]) is int
+            and pid[4] >= 0):
+        raise FormatError(f"a persistent id that is not a storage: {str(pid)[:100]}", file=file)
+    if len(pid) == 6 and pid[5] is not None:
+        raise FormatError("a legacy storage view, which treecli does not read", file=file)
+    key = pid[2]
+    if not key or "/" in key or "\\" in key or key in (".", ".."):
+        raise FormatError(f"storage key {key!r} would name a file outside the archive", file=file)
+    storage = _Storage(key, pid[1].dtype, pid[4])
+    if named.setdefault(key, storage) != storage:
+        raise FormatError(f"storage {key!r} is named twice, differently", file=file)
+    return named[key]
+
+
+def _items_of(obj: Any, places: dict[str, tuple[int, int]], reader: FileReader, file: str) -> list[tuple[str, Any]]:
+    """The unpickled object as (dotted key, lazy leaf or value) items, to nest as
+    safetensors' names nest."""
+    items: list[tuple[str, Any]] = []
+    visited = 0
+
+    def walk(value: Any, keys: tuple[str, ...]) -> None:
+        nonlocal visited
+        visited += 1
+        if visited > MAX_NODES:
+            raise FormatError(f"the object holds more than {MAX_NODES:,} values (or refers to itself over and over)",
+                              file=file)
+        if len(keys) > _tree.MAX_DEPTH:
+            raise FormatError(f"nested deeper than {_tree.MAX_DEPTH} levels (or holds itself)", file=file)
+        if isinstance(value, dict) and value:
+            for key, child in value.items():
+                walk(child, keys + (str(key),))
+        elif isinstance(value, (list, tuple)) and value:
+            for i, child in enumerate(value):
+                walk(child, keys + (str(i),))
+        elif isinstance(value, _Tensor):
+            items.append((".".join(keys), _leaf_of(value, places, reader, file, ".".join(keys))))
+        elif isinstance(value, (set, frozenset)):
+            items.append((".".join(keys), sorted(value, key=repr)))
+        else:
+            items.append((".".join(keys), value))
+
+    walk(obj, ())
+    return items
+
+
+def _leaf_of(tensor: _Tensor, places: dict[str, tuple[int, int]], reader: FileReader, file: str,
+             keypath: str) -> _leaf.ArrayLeaf:
+    """A lazy leaf over a tensor's elements of its storage, checked to lie inside it."""
+    offset, nbytes = places[tensor.storage.key]
+    stored = tensor.storage.numel * _itemsize(tensor.storage)
+    if stored > nbytes:
+        raise FormatError(f"storage {tensor.storage.key!r} is named with {stored} bytes, but holds {nbytes}",
+                          file=file, keypath=keypath)
+    itemsize = _dtypes.itemsize(tensor.dtype)
+    if math.prod(tensor.shape) == 0:
+        return FileArrayLeaf(reader, offset, tensor.shape, tensor.dtype)
+    last = tensor.offset + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride))
+    if (last + 1) * itemsize > stored:
+        raise FormatError(f"the tensor's elements run to byte {(last + 1) * itemsize} of a storage of {stored}",
+                          file=file, keypath=keypath)
+    if _c_contiguous(tensor.shape, tensor.stride):
+        return FileArrayLeaf(reader, offset + tensor.offset * itemsize, tensor.shape, tensor.dtype)
+    return _StridedLeaf(reader, offset + tensor.offset * itemsize, tensor.shape, tensor.stride, tensor.dtype,
+                        last - tensor.offset + 1)
+
+
+def _c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(stride)):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+class _StridedLeaf(_leaf.WholeLeaf):
+    """A view with other strides than C order's (a transpose, a strided slice, an expand):
+    the span of storage it covers is read once, then laid out in C order."""
+
+    def __init__(self, reader: FileReader, start: int, shape: tuple[int, ...], stride: tuple[int, ...],
+                 dtype_name: str, span: int):
+        self._reader, self._start, self._stride, self._span = reader, start, stride, span
+        self.shape = shape
+        self.dtype_name = dtype_name
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self._reader.path,)
+
+    def load(self):
+        import numpy as np
+
+        base = np.empty(self._span, self.dtype)
+        self._reader.read_into(base, self._start)
+        strides = tuple(s * self.itemsize for s in self._stride)
+        return np.lib.stride_tricks.as_strided(base, self.shape, strides).copy(order="C").reshape(-1)
