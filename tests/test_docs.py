@@ -96,7 +96,26 @@ def template(tmp_path_factory) -> Path:
     _manager(box / "runs" / "exp1", (1000, 2000), 2)
     _equinox_model(box)
     _pytorch_files(box)
+    _gguf_file(box / "model.gguf")
     return box
+
+
+def _gguf_file(path: Path) -> None:
+    """A tiny llama.cpp model: one float tensor, one Q8_0."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import quants
+
+    weights = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "tiny")
+    writer.add_tensor("token_embd.weight", weights)
+    quantized = quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", quantized, raw_shape=quantized.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _pytorch_files(box: Path) -> None:

@@ -31,6 +31,7 @@ FORMATS = {
     "eqx": "treecli.formats.eqx:EqxFormat",
     "orbax": "treecli.formats.orbax:OrbaxFormat",
     "torch": "treecli.formats.torch:TorchFormat",
+    "gguf": "treecli.formats.gguf:GgufFormat",
 }
 
 

@@ -1,0 +1,142 @@
+"""GGUF read by treecli's own bounded header parser (issue 34, item 3), checked against
+the gguf package: ``gguf.GGUFWriter`` writes the files, ``gguf.GGUFReader`` and its
+dequantization are the oracle, bit for bit."""
+
+from __future__ import annotations
+
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import treecli
+from treecli import _tree
+from treecli._keypath import format_keypath
+
+from .conftest import assert_clean_error
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
+
+
+def random_blocks(kind, rows: int, blocks: int, rng) -> np.ndarray:
+    """Raw blocks of a quantized type gguf cannot quantize (the K-quants): random bytes,
+    each block's leading f16 scale kept small so that values stay finite."""
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+    raw.view(np.uint8).reshape(rows, blocks, size)[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_string("general.name", "tiny")
+    writer.add_token_list([f"tok{i}" for i in range(1000)])
+    writer.add_array("llama.rope.freqs", [0.5, 1.5])
+    writer.add_tensor("token_embd.weight", a)
+    writer.add_tensor("blk.0.attn_q.weight", a.astype(np.float16))
+    writer.add_tensor("blk.0.attn_k.weight", a.astype(ml_dtypes.bfloat16).view(np.uint16), raw_dtype=Q.BF16)
+    writer.add_tensor("blk.0.norm.weight", np.arange(64, dtype=np.float64))
+    writer.add_tensor("blk.0.ids", np.arange(10, dtype=np.int32))
+    for kind in (Q.Q8_0, Q.Q4_0, Q.Q5_1):
+        data = quants.quantize(a, kind)
+        writer.add_tensor(f"blk.1.{kind.name.lower()}.weight", data, raw_shape=data.shape, raw_dtype=kind)
+    for kind in (Q.Q4_K, Q.Q6_K):
+        data = random_blocks(kind, 3, 2, rng)
+        writer.add_tensor(f"blk.1.{kind.name.lower()}.weight", data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def expected_arrays(path) -> dict[str, np.ndarray]:
+    out = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        data = tensor.data
+        if tensor.tensor_type == Q.BF16:
+            data = data.view(ml_dtypes.bfloat16)
+        elif tensor.tensor_type not in (Q.F32, Q.F16, Q.F64, Q.I32):
+            with np.errstate(all="ignore"):
+                data = quants.dequantize(data, tensor.tensor_type).astype(np.float32)
+        out[tensor.name] = np.asarray(data)
+    return out
+
+
+def test_every_tensor_reads_as_gguf_reads_and_dequantizes_it(model):
+    got = {format_keypath(kp): leaf for kp, leaf in _tree.flatten(treecli.load(model))}
+    expected = expected_arrays(model)
+    assert set(got) == set(expected)
+    for name, array in expected.items():
+        leaf = got[name]
+        assert tuple(leaf.shape) == array.shape and leaf.dtype == array.dtype, name
+        assert np.asarray(leaf).tobytes() == array.tobytes(), name
+        assert np.asarray(leaf[1:]).tobytes() == array[1:].tobytes(), name
+
+
+def test_show_prints_the_metadata_and_the_quantized_types(cli, model):
+    shown = cli("show", model)
+    assert shown.code == 0, shown.stderr
+    assert "quantized: 1 Q4_0, 1 Q4_K, 1 Q5_1, 1 Q6_K, 1 Q8_0" in shown.stdout
+    document = cli("show", model, "--json").json
+    assert document["metadata"]["general.name"] == "tiny"
+    assert document["metadata"]["tokenizer.ggml.tokens"] == "[1000 strings]"
+    assert document["metadata"]["llama.rope.freqs"] == "[0.5, 1.5]"
+
+
+def test_convert_to_safetensors_dequantizes_and_keeps_floats_bit_exact(cli, model, tmp_path):
+    from safetensors.numpy import load_file
+
+    result = cli("convert", model, tmp_path / "m.safetensors")
+    assert result.code == 0, result.stderr
+    written = load_file(str(tmp_path / "m.safetensors"))
+    for name, array in expected_arrays(model).items():
+        if array.dtype == ml_dtypes.bfloat16:
+            assert written[name].view(np.uint16).tobytes() == array.view(np.uint16).tobytes(), name
+        else:
+            assert written[name].tobytes() == array.tobytes(), name
+
+
+def header(tensors: int = 1, keys: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, keys)
+
+
+def string(text: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(text) if length is None else length) + text
+
+
+def tensor(name: bytes, dims: list[int], kind: int, offset: int) -> bytes:
+    return string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) + \
+        struct.pack("<IQ", kind, offset)
+
+
+def padded(head: bytes, data: bytes) -> bytes:
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (header(tensors=10**12), "declares 1,000,000,000,000 tensors"),
+    (header(tensors=0, keys=1) + string(b"general.name") + struct.pack("<I", 8) + string(b"x", 2**40),
+     "runs past the end of the file"),
+    (padded(header() + tensor(b"w", [4], 0, 8), b"\0" * 32), "not aligned to 32"),
+    (padded(header(2) + tensor(b"a", [8], 0, 0) + tensor(b"b", [8], 0, 0), b"\0" * 64), "overlap"),
+    (padded(header() + tensor(b"w", [4], 99, 0), b"\0" * 32), "tensor type 99, which ggml does not define"),
+    (padded(header() + tensor(b"w", [1000], 0, 0), b"\0" * 32), "run past the end of the file"),
+    (padded(header() + tensor(b"w", [2**62, 2**62], 0, 0), b""), "elements in a file of"),
+    (header(tensors=0, keys=1) + string(b"k") + struct.pack("<IIQ", 9, 8, 2**60), "runs past the end"),
+    (header(tensors=0, keys=1) + string(b"k") + struct.pack("<I", 77), "value type 77"),
+    (b"GGUF" + struct.pack("<I", 1) + b"\0" * 16, "GGUF version 1"),
+], ids=["tensor count", "string length", "misaligned", "overlapping", "unknown type", "data past the end",
+        "absurd shape", "array count", "value type", "version"])
+def test_hostile_headers_are_one_line(cli, tmp_path, content, fragment):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    assert_clean_error(cli("show", path), fragment)

@@ -1,0 +1,256 @@
+"""GGUF (llama.cpp, Ollama): the header read by treecli's own bounded parser, tensors as
+lazy leaves.
+
+The header (magic ``GGUF``, version 2 or 3, the metadata key/values, the tensor infos)
+is parsed here, every count and length checked against the file's size before anything
+is allocated (``gguf.GGUFReader`` trusts them). Metadata shows as safetensors'
+``__metadata__`` does, each value as text, an array of more than 16 items summarised
+(``[151936 strings]``). Float and integer tensors (F32, F16, BF16, F64, I8-I64) are
+arrays read by byte ranges; quantized ones (Q4_0, Q8_0, the K-quants, the IQ kinds) are
+float32 leaves of their logical shape, dequantized on demand, one tensor at a time, by
+the ``gguf`` package (the llama.cpp project's own). GGUF names dimensions fastest
+first; a leaf's shape is NumPy's, the reverse. Names nest on ``.`` as safetensors' do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from treecli import _leaf
+from treecli._bytes.local import FileReader, identity, open_regular
+from treecli._errors import FormatError
+from treecli.formats import _flatkeys
+from treecli.formats._base import Checkpoint, Format
+from treecli.formats._filedata import FileArrayLeaf
+
+MAGIC = b"GGUF"
+MAX_TENSORS = 1_000_000  # a 671B model has under 2,000
+MAX_KEYS = 100_000
+MAX_DIMS = 8  # GGML_MAX_DIMS is 4
+SHOWN_ITEMS = 16  # a metadata array longer than this is summarised
+
+# ggml types stored as plain arrays, by their number
+_ARRAYS = {0: "float32", 1: "float16", 24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64",
+           30: "bfloat16"}
+# metadata value types: (struct format, name) for the fixed-size ones
+_SCALARS = {0: ("<B", "uint8"), 1: ("<b", "int8"), 2: ("<H", "uint16"), 3: ("<h", "int16"), 4: ("<I", "uint32"),
+            5: ("<i", "int32"), 6: ("<f", "float32"), 7: ("<?", "bool"), 10: ("<Q", "uint64"), 11: ("<q", "int64"),
+            12: ("<d", "float64")}
+_STRING, _ARRAY = 8, 9
+
+
+class GgufFormat(Format):
+    """llama.cpp's GGUF files, version 2 and 3."""
+
+    name = "gguf"
+    extensions = (".gguf",)
+
+    def sniff(self, path: Path) -> str | None:
+        if path.is_dir():
+            return "a directory"
+        with open_regular(path) as f:
+            return None if f.read(4) == MAGIC else "does not start with GGUF"
+
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        path = Path(path)
+        with open_regular(path) as f:
+            file_identity = identity(os.fstat(f.fileno()))
+        reader = FileReader(str(path), file_identity)
+        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path))
+        checkpoint._closers.append(reader.close)
+        header = _Header(reader, file_identity[2], str(path))
+        items, quantized = [], {}
+        for name, dims, kind, offset in header.tensors:
+            shape = tuple(reversed(dims))
+            if kind in _ARRAYS:
+                items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
+            else:
+                items.append((name, _QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
+                quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
+        checkpoint.tree, warning = _flatkeys.nest(items, ".")
+        checkpoint.warnings.extend([warning] if warning else [])
+        checkpoint.metadata = header.metadata
+        if quantized:
+            kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(quantized.items()))
+            checkpoint.info["quantized"] = f"{kinds} (float32 leaves, dequantized when read)"
+        return checkpoint
+
+
+class _Header:
+    """The parsed header: ``metadata`` (key -> text), ``tensors`` ((name, dims, type,
+    absolute offset)) and ``sizes`` (type -> (block size, bytes per block))."""
+
+    def __init__(self, reader: FileReader, size: int, file: str):
+        self._reader, self._size, self._file = reader, size, file
+        self._at, self._buffer, self._buffer_at = 0, b"", 0
+        if self._take(4) != MAGIC:
+            raise FormatError("not a GGUF file: no GGUF magic", file=file)
+        version = self._int("<I")
+        if version not in (2, 3):
+            raise FormatError(f"GGUF version {version}; treecli reads versions 2 and 3", file=file)
+        count, keys = self._int("<Q"), self._int("<Q")
+        if count > MAX_TENSORS or keys > MAX_KEYS:
+            raise FormatError(f"the header declares {count:,} tensors and {keys:,} metadata keys; refusing "
+                              f"(at most {MAX_TENSORS:,} and {MAX_KEYS:,})", file=file)
+        self.metadata: dict[str, str] = {}
+        alignment = 32
+        for _ in range(keys):
+            key = self._string()
+            kind = self._int("<I")
+            value = self._value(kind, depth=0)
+            if key == "general.alignment":
+                if kind != 4 or value < 1 or value & (value - 1):
+                    raise FormatError(f"general.alignment is {value!r}, not a power of two", file=file)
+                alignment = value
+            self.metadata[key] = value if isinstance(value, str) else _text(value)
+        infos = [(self._string(), *self._tensor_info()) for _ in range(count)]
+        start = -(-self._at // alignment) * alignment
+        self.sizes = _sizes({kind for _, _, kind, _ in infos} - set(_ARRAYS), file)
+        self.tensors = []
+        spans = []
+        for name, dims, kind, offset in infos:
+            nbytes = self._nbytes(name, dims, kind)
+            if offset % alignment:
+                raise FormatError(f"tensor data at offset {offset} is not aligned to {alignment}", file=file,
+                                  keypath=name)
+            if start + offset + nbytes > size:
+                raise FormatError(f"the tensor's {nbytes} bytes at {start + offset} run past the end of the file "
+                                  f"({size} bytes)", file=file, keypath=name)
+            spans.append((offset, offset + nbytes, name))
+            self.tensors.append((name, dims, kind, start + offset))
+        spans.sort()
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise FormatError(f"the data of {first} and {second} overlap", file=file, keypath=second)
+
+    # --- reading, bounded by the file ----------------------------------------------------------
+
+    def _take(self, n: int) -> bytes:
+        import numpy as np
+
+        if n < 0 or self._at + n > self._size:
+            raise FormatError(f"the header runs past the end of the file (reading {n:,} bytes at {self._at:,} of "
+                              f"{self._size:,})", file=self._file)
+        local = self._at - self._buffer_at
+        if local + n > len(self._buffer):  # a window of at least 1 MiB from here
+            window = np.empty(min(max(n, 1 << 20), self._size - self._at), np.uint8)
+            self._reader.read_into(window, self._at)
+            self._buffer, self._buffer_at, local = window.tobytes(), self._at, 0
+        self._at += n
+        return self._buffer[local:local + n]
+
+    def _int(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        return self._take(self._int("<Q")).decode("utf-8", "replace")
+
+    def _value(self, kind: int, depth: int) -> Any:
+        if kind in _SCALARS:
+            return self._int(_SCALARS[kind][0])
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY or depth > 2:
+            raise FormatError(f"metadata value type {kind}, which GGUF does not define", file=self._file)
+        item, count = self._int("<I"), self._int("<Q")
+        if item in _SCALARS:  # read the first items shown; skip the rest by their size
+            size = struct.calcsize(_SCALARS[item][0])
+            if count * size > self._size - self._at:
+                raise FormatError(f"a metadata array of {count:,} items runs past the end of the file",
+                                  file=self._file)
+            shown = [self._value(item, depth + 1) for _ in range(min(count, SHOWN_ITEMS))]
+            self._take((count - len(shown)) * size)
+            return shown if count <= SHOWN_ITEMS else _Summary(count, _SCALARS[item][1])
+        if count > self._size - self._at:  # every string or array takes at least 8 bytes
+            raise FormatError(f"a metadata array of {count:,} items runs past the end of the file", file=self._file)
+        values = [self._value(item, depth + 1) for _ in range(count)]
+        return values if count <= SHOWN_ITEMS else _Summary(count, "strings" if item == _STRING else "arrays")
+
+    def _tensor_info(self) -> tuple[list[int], int, int]:
+        n = self._int("<I")
+        if n > MAX_DIMS:
+            raise FormatError(f"a tensor of {n} dimensions; GGUF has at most 4", file=self._file)
+        dims = [self._int("<Q") for _ in range(n)]
+        return dims, self._int("<I"), self._int("<Q")
+
+    def _nbytes(self, name: str, dims: list[int], kind: int) -> int:
+        count = math.prod(dims)
+        if count > self._size * 64:  # no encoding stores more than 64 elements per byte
+            raise FormatError(f"a tensor of {count:,} elements in a file of {self._size:,} bytes", file=self._file,
+                              keypath=name)
+        if kind in _ARRAYS:
+            from treecli import _dtypes
+
+            return count * _dtypes.itemsize(_ARRAYS[kind])
+        block, size = self.sizes[kind]
+        if dims and dims[0] % block:
+            raise FormatError(f"{_type_name(kind)} stores blocks of {block}, but the rows hold {dims[0]} elements",
+                              file=self._file, keypath=name)
+        return count // block * size
+
+
+class _Summary:
+    """A long metadata array, as ``show`` prints it."""
+
+    def __init__(self, count: int, what: str):
+        self.count, self.what = count, what
+
+    def __repr__(self) -> str:
+        return f"[{self.count} {self.what}]"
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, _Summary) else str(value)
+
+
+def _type_name(kind: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(kind).name
+
+
+def _sizes(kinds: set[int], file: str) -> dict[int, tuple[int, int]]:
+    """(block size, bytes per block) of each quantized type, from the gguf package."""
+    if not kinds:
+        return {}
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes = {}
+    for kind in kinds:
+        try:
+            sizes[kind] = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise FormatError(f"tensor type {kind}, which ggml does not define", file=file) from None
+    return sizes
+
+
+class _QuantizedLeaf(_leaf.WholeLeaf):
+    """A quantized tensor: float32 values of its logical shape, its blocks read whole and
+    dequantized by the gguf package when asked."""
+
+    def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int]):
+        self._reader, self._offset, self._kind = reader, offset, kind
+        self._block, self._block_bytes = sizes
+        self.shape = shape
+        self.dtype_name = "float32"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self._reader.path,)
+
+    def load(self):
+        import numpy as np
+        from gguf import quants
+        from gguf.constants import GGMLQuantizationType
+
+        row = self.shape[-1] if self.shape else 1
+        rows = self.size // max(1, row)
+        raw = np.empty((rows, row // self._block * self._block_bytes), np.uint8)
+        self._reader.read_into(raw, self._offset)
+        with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
+            values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
+        return values.astype(np.float32, copy=False).reshape(-1)
