@@ -26,7 +26,7 @@ host = {"w": rng.standard_normal((64, 65536)).astype(np.float32),  # 16 MiB: fou
         "v": np.arange(40, dtype=np.int32)}
 specs = {"w": P("x", "y"), "e": P(None, "y"), "v": P("x")}  # v: each shard on two devices
 tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
-assert isinstance(_leaf.as_leaf(tree["w"]), _leaf.ShardedLeaf)
+assert isinstance(_leaf.as_leaf(tree["w"]), _leaf.PiecedLeaf)
 assert len(_leaf.as_leaf(tree["v"])._shards) == 4  # replicated over y: each row block read from one device
 
 gathered = []
@@ -37,8 +37,8 @@ def watched(self, *a, **k):
     return asarray(self, *a, **k)
 ArrayImpl.__array__ = watched
 rows = []
-rows_of = _leaf.ShardedLeaf._rows
-_leaf.ShardedLeaf._rows = lambda self, first, last: (self.shape == host["w"].shape and rows.append(last - first),
+rows_of = _leaf.PiecedLeaf._rows
+_leaf.PiecedLeaf._rows = lambda self, first, last: (self.shape == host["w"].shape and rows.append(last - first),
                                                      rows_of(self, first, last))[1]
 for target in ("m.safetensors", "m.npz", "hf", "orbax", "m.msgpack"):
     path = f"{base}/{target}"

@@ -241,21 +241,30 @@ class ComputedLeaf(ArrayLeaf):
         return super().read(index)
 
 
-class ShardedLeaf(ArrayLeaf):
-    """A JAX array split over several devices, read shard by shard: a chunk is copied from
-    the shards it overlaps, a replicated shard from one of its devices, and the whole
-    array is never gathered (what ``np.asarray`` of it does)."""
+class PiecedLeaf(ArrayLeaf):
+    """An array held in pieces, each a box of it (``(start, stop)`` per axis) and an array
+    or lazy leaf of that box: the shards of a JAX array split over devices, the chunks of a
+    PyTorch distributed checkpoint. A chunk of it is copied from the pieces it overlaps,
+    and the whole array is never assembled unless asked for."""
 
     reads_parts = True
 
-    def __init__(self, array: Any):
-        self.shape = tuple(int(d) for d in array.shape)
-        self.dtype_name = _dtypes.name(array.dtype)
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, pieces: list[tuple[tuple, Any]], missing: str):
+        self.shape = tuple(shape)
+        self.dtype_name = dtype_name
+        self._shards = pieces  # ((start, stop) per axis, the piece)
+        self._missing = missing  # what to say where no piece holds a part that is read
+
+    @classmethod
+    def of_shards(cls, array: Any) -> "PiecedLeaf":
+        """A JAX array split over devices, a replicated shard read from one of its devices."""
+        shape = tuple(int(d) for d in array.shape)
         distinct: dict[tuple, Any] = {}
         for shard in array.addressable_shards:
-            bounds = tuple(s.indices(n)[:2] for s, n in zip(shard.index, self.shape))
-            distinct.setdefault(bounds, shard.data)
-        self._shards = list(distinct.items())  # ((start, stop) per axis, the shard's array)
+            distinct.setdefault(tuple(s.indices(n)[:2] for s, n in zip(shard.index, shape)), shard.data)
+        return cls(shape, _dtypes.name(array.dtype), list(distinct.items()),
+                   "this process holds only some shards of a global array; write it where every process writes its "
+                   "own (format orbax), or gather it first")
 
     def _rows(self, first: int, last: int):
         """Rows ``[first, last)`` of axis 0, the other axes whole, from the shards holding them."""
@@ -274,8 +283,7 @@ class ShardedLeaf(ArrayLeaf):
         if filled < out.size:
             from treecli._errors import UsageError
 
-            raise UsageError("this process holds only some shards of a global array; write it where every process "
-                             "writes its own (format orbax), or gather it first")
+            raise UsageError(self._missing)
         return out
 
     def read_flat(self, start: int, stop: int):
@@ -327,5 +335,5 @@ def as_leaf(value: Any) -> ArrayLeaf:
         return value
     jax = sys.modules.get("jax")  # a JAX array exists only once jax is imported
     if jax is not None and isinstance(value, jax.Array) and value.ndim and not value.is_fully_replicated:
-        return ShardedLeaf(value)
+        return PiecedLeaf.of_shards(value)
     return InMemoryLeaf(value)

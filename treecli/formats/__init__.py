@@ -32,6 +32,7 @@ FORMATS = {
     "orbax": "treecli.formats.orbax:OrbaxFormat",
     "torch": "treecli.formats.torch:TorchFormat",
     "gguf": "treecli.formats.gguf:GgufFormat",
+    "dcp": "treecli.formats.dcp:DcpFormat",
 }
 
 
@@ -143,10 +144,11 @@ def _refuse_special(path: Path) -> None:
 
 
 # Formats treecli writes, and how an output is named for each.
-WRITES = ".safetensors, .npz, .msgpack, .eqx, or a directory (an HF safetensors directory, or an Orbax checkpoint)"
+WRITES = (".safetensors, .npz, .msgpack, .eqx, .pt/.bin/.pth, or a directory (an HF safetensors directory, or an "
+          "Orbax checkpoint)")
 # Extensions of files treecli reads but does not write, or never reads: an output named
 # so is a mistake, never a directory of that name.
-_FOREIGN_EXTENSIONS = (".h5", ".hdf5", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle",
+_FOREIGN_EXTENSIONS = (".h5", ".hdf5", ".ckpt", ".pkl", ".pickle",
                        ".json", ".gguf", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
 
 

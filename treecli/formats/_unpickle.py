@@ -8,8 +8,9 @@ asks for. Here:
 - a ``GLOBAL`` / ``STACK_GLOBAL`` is looked up in ``allowed`` (``"module.name"`` -> a
   function of plain data, or a plain value standing for it: a dtype); anything else is
   refused in one line naming it, before anything is built from it;
-- ``REDUCE`` / ``NEWOBJ`` / ``BUILD`` call only those functions (a ``BUILD`` on
-  what they made is ignored: the state of a tensor subclass is not data);
+- ``REDUCE`` / ``NEWOBJ`` call only those functions; ``BUILD`` gives its state to a
+  :class:`Record` (an allowed class kept as plain data) and is otherwise ignored (the
+  state of a tensor subclass is not data);
 - persistent ids (``BINPERSID``) go to ``persistent``, which names the storages;
 - the memo is a dict, and the values on the stack and in the memo are counted
   (:data:`MAX_VALUES`): a memo or stack bomb is refused in bounded memory.
@@ -43,6 +44,30 @@ class Global:
 
     def __repr__(self) -> str:
         return self.name
+
+
+class Record:
+    """An object of an allowed class, as plain data: the arguments it was made with and
+    the state ``BUILD`` gave it (a dataclass's fields, by name)."""
+
+    def __init__(self, name: str, *args: Any):
+        self.name = name
+        self.args = args
+        self.state: Any = None
+
+    def field(self, name: str) -> Any:
+        """A field of its state (``BUILD``'s dict, or the dict of a ``(dict, slots)`` pair)."""
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}
+        if not isinstance(state, dict) or name not in state:
+            raise KeyError(f"{self.name} has no field {name!r}")
+        return state[name]
+
+
+def record(name: str) -> Callable[..., Record]:
+    """The constructor ``allowed`` names for a class whose objects are kept as records."""
+    return lambda *args: Record(name, *args)
 
 
 class Unpickler:
@@ -249,9 +274,11 @@ class Unpickler:
                 args = pop()
                 push(self._call(pop(), args))
             elif op == 0x62:  # BUILD: the state of what an allowed constructor made
-                pop()
+                state = pop()
                 if not self.stack:
                     raise self._error("BUILD without an object")
+                if isinstance(self.stack[-1], Record):
+                    self.stack[-1].state = state
             elif op == 0x51:  # BINPERSID
                 if self.persistent is None:
                     raise self._error("a persistent id, where none is expected")
@@ -305,7 +332,7 @@ class Unpickler:
 
     def _hashable(self, items: list[Any]) -> list[Any]:
         for item in items:
-            if not isinstance(item, (str, bytes, int, float, bool, type(None), tuple, frozenset)):
+            if not isinstance(item, (str, bytes, int, float, bool, type(None), tuple, frozenset, Record)):
                 raise self._error(f"a {type(item).__name__} as a dict key or set item")
         return items
 

@@ -11,10 +11,12 @@ the caller, who takes it on the reading thread, beside the writing.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from treecli._bytes.local import open_regular
 from treecli._bytes.writer import Digest
@@ -105,11 +107,41 @@ def encoded_name(name: str) -> tuple[bytes, int]:
     return encoded, flags
 
 
-def stored_member_offset(path: Path, info: zipfile.ZipInfo) -> int:
-    """Where a stored member's bytes start: after its local file header, which must name
-    the member as the central directory does (zipfile, and so np.load, checks that too)."""
+class Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a file of their own: for
+    ``zipfile`` to read a zip embedded in a bigger file (a chunk of a PyTorch distributed
+    checkpoint)."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int):
+        self._f, self._start, self._length, self._at = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._at = max(0, offset if whence == 0 else self._at + offset if whence == 1 else self._length + offset)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._at))
+        data = os.pread(self._f.fileno(), n, self._start + self._at)
+        buffer[:len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+
+def stored_member_offset(path: Path, info: zipfile.ZipInfo, base: int = 0) -> int:
+    """Where a stored member's bytes start in the file: after its local file header, which
+    must name the member as the central directory does (zipfile, and so np.load, checks
+    that too); ``base``: where the zip starts in the file."""
     with open_regular(path) as f:
-        f.seek(info.header_offset)
+        f.seek(base + info.header_offset)
         local = f.read(30)
         if len(local) < 30 or local[:4] != b"PK\x03\x04":
             raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
@@ -118,4 +150,4 @@ def stored_member_offset(path: Path, info: zipfile.ZipInfo) -> int:
     encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
     if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
         raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=str(path))
-    return info.header_offset + 30 + name_len + extra_len
+    return base + info.header_offset + 30 + name_len + extra_len

@@ -71,7 +71,7 @@ class _StorageType:
 
 
 @dataclass(frozen=True)
-class _DType:
+class DType:
     name: str
 
 
@@ -107,7 +107,7 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, dtyp
 
 def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
                 *metadata: Any) -> _Tensor:
-    if not isinstance(dtype, _DType):
+    if not isinstance(dtype, DType):
         raise ValueError("the dtype is not a torch dtype")
     return _rebuild(storage, offset, size, stride, dtype=dtype.name)
 
@@ -153,7 +153,7 @@ ALLOWED = {
     "_codecs.encode": lambda text, encoding="utf-8": text.encode(encoding),
     "torch.storage.UntypedStorage": _StorageType(None),
     **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_DTYPES.items()},
-    **{f"torch.{name}": _DType(dtype) for name, dtype in _DTYPES.items()},
+    **{f"torch.{name}": DType(dtype) for name, dtype in _DTYPES.items()},
     "torch._utils._rebuild_sparse_tensor": _refuse("a sparse tensor"),
     "torch._utils._rebuild_qtensor": _refuse("a quantized tensor"),
     "torch._utils._rebuild_nested_tensor": _refuse("a nested tensor"),
@@ -235,8 +235,8 @@ def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
         legacy = f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
     reader = FileReader(str(path), file_identity)
     checkpoint._closers.append(reader.close)
-    obj, places = _read_legacy(path, reader) if legacy else _read_zip(path, reader)
-    return _items_of(obj, places, reader, str(path))
+    obj, places = _read_legacy(path, reader) if legacy else read_zip(path, reader)
+    return items_of(obj, places, reader, str(path))
 
 
 def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
@@ -270,11 +270,14 @@ def _archive_name(names: list[str]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _read_zip(path: Path, reader: FileReader) -> tuple[Any, dict[str, tuple[int, int]]]:
-    """The unpickled object, and where each storage lies: (offset in the file, bytes)."""
+def read_zip(path: Path, reader: FileReader, window: tuple[int, int] | None = None
+              ) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The unpickled object, and where each storage lies: (offset in the file, bytes).
+    ``window``: the zip is the bytes ``(start, length)`` of the file (a DCP chunk)."""
     file = str(path)
+    start = window[0] if window else 0
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_regular(path) as f, zipfile.ZipFile(_zip.Window(f, *window) if window else f) as z:
             infos = {info.filename: info for info in z.infolist()}
             prefix = _archive_name(list(infos))
             if prefix is None:
@@ -298,7 +301,7 @@ def _read_zip(path: Path, reader: FileReader) -> tuple[Any, dict[str, tuple[int,
             raise FormatError(f"the pickle names storage {key!r}, which the zip does not hold", file=file)
         if info.compress_type != zipfile.ZIP_STORED:
             raise FormatError(f"storage {key!r} is compressed; torch.save stores storages as they are", file=file)
-        places[key] = (_zip.stored_member_offset(path, info), info.file_size)
+        places[key] = (_zip.stored_member_offset(path, info, start), info.file_size)
     return obj, places
 
 
@@ -359,7 +362,7 @@ def _storage(pid: Any, named: dict[str, _Storage], file: str) -> _Storage:
     return named[key]
 
 
-def _items_of(obj: Any, places: dict[str, tuple[int, int]], reader: FileReader, file: str) -> list[tuple[str, Any]]:
+def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: FileReader, file: str) -> list[tuple[str, Any]]:
     """The unpickled object as (dotted key, lazy leaf or value) items, to nest as
     safetensors' names nest."""
     items: list[tuple[str, Any]] = []

@@ -1,0 +1,157 @@
+"""PyTorch Distributed Checkpoint directories (``torch.distributed.checkpoint.save``:
+what FSDP and torchtitan write), read without torch.
+
+A directory holds ``.metadata`` (a pickle of DCP's own classes: each key's dtype, size
+and chunks, and where each chunk's bytes lie) and ``__R_S.distcp`` files, each chunk a
+whole ``torch.save`` zip at an offset of one of them. ``.metadata`` is read by the same
+allowlist unpickler as ``torch.save`` files, DCP's classes kept as plain records; each
+chunk's zip is read where it lies; a tensor stored in several chunks (the shards of its
+ranks) is one lazy leaf that reads only the chunks an index or a chunk of output
+touches. Non-tensor values (a step counter) are read from their own small pickles.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from treecli import _leaf
+from treecli._bytes.local import FileReader, identity, open_regular
+from treecli._errors import FormatError
+from treecli.formats import _flatkeys, torch as torch_format
+from treecli.formats._base import Checkpoint, Format
+from treecli.formats._unpickle import Record, Unpickler, record
+
+METADATA = ".metadata"
+MAX_METADATA_BYTES = 512 << 20
+
+_DCP = "torch.distributed.checkpoint"
+# DCP's metadata classes, kept as records of their fields; and what their fields hold.
+ALLOWED = {
+    **torch_format.ALLOWED,
+    **{f"{_DCP}.metadata.{name}": record(name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta")},
+    f"{_DCP}.filesystem._StorageInfo": record("_StorageInfo"),
+    f"{_DCP}.metadata._MEM_FORMAT_ENCODING": int,
+    "torch.distributed.checkpoint._extension.ExtensionRegistry": record("ExtensionRegistry"),
+    "pathlib.PosixPath": lambda *parts: "/".join(parts),
+    "pathlib.WindowsPath": lambda *parts: "\\".join(parts),
+}
+
+
+class DcpFormat(Format):
+    """A directory written by ``torch.distributed.checkpoint.save``."""
+
+    name = "dcp"
+    extensions = ()
+
+    def sniff(self, path: Path) -> str | None:
+        if not path.is_dir():
+            return "not a directory"
+        if not (path / METADATA).is_file():
+            return f"no {METADATA}"
+        return None if any(p.name.endswith(".distcp") for p in path.iterdir()) else "no .distcp files"
+
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        path = Path(path)
+        file = str(path / METADATA)
+        with open_regular(path / METADATA) as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+        if len(data) > MAX_METADATA_BYTES:
+            raise FormatError(f"{METADATA} is larger than {MAX_METADATA_BYTES >> 20} MiB", file=file)
+        metadata = Unpickler(data, file=file, allowed=ALLOWED).load()[0]
+        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path))
+        try:
+            entries, places = metadata.field("state_dict_metadata"), metadata.field("storage_data")
+            where = {(index.field("fqn"), _offsets(_fields(index).get("offset"))):
+                     (info.field("relative_path"), info.field("offset"), info.field("length"),
+                      _fields(info).get("transform_descriptors"))  # (fields at their defaults are not pickled)
+                     for index, info in places.items()}
+        except (KeyError, AttributeError, TypeError):
+            raise FormatError(f"{METADATA} is not a DCP Metadata of state_dict_metadata and storage_data",
+                              file=file) from None
+        readers: dict[str, FileReader] = {}
+        items = []
+        for fqn, entry in entries.items():
+            if not isinstance(fqn, str) or not isinstance(entry, Record):
+                raise FormatError(f"{METADATA} has an entry that is not a key and its storage", file=file)
+            items.append((fqn, _value(path, fqn, entry, where, readers, checkpoint)))
+        checkpoint.tree, warning = _flatkeys.nest(items, ".")
+        checkpoint.warnings.extend([warning] if warning else [])
+        return checkpoint
+
+
+def _fields(item: Record) -> dict:
+    return item.state if isinstance(item.state, dict) else {}
+
+
+def _offsets(value: Any) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+def _value(directory: Path, fqn: str, entry: Record, where: dict, readers: dict, checkpoint: Checkpoint) -> Any:
+    """One key's leaf (a tensor, from its chunks) or value."""
+    file = str(directory / METADATA)
+    if entry.name == "BytesStorageMetadata":
+        obj, places, reader = _chunk(directory, fqn, where.get((fqn, None)), readers, checkpoint)
+        return obj
+    if entry.name != "TensorStorageMetadata":
+        raise FormatError(f"a {entry.name} entry, which treecli does not read", file=file, keypath=fqn)
+    try:
+        shape = tuple(entry.field("size"))
+        dtype = entry.field("properties").args[0] if entry.field("properties").args else \
+            entry.field("properties").state[0]
+        chunks = [(tuple(c.field("offsets")), tuple(c.field("sizes"))) for c in entry.field("chunks")]
+    except (KeyError, AttributeError, TypeError, IndexError):
+        raise FormatError("a tensor entry without size, dtype and chunks", file=file, keypath=fqn) from None
+    if not isinstance(dtype, torch_format.DType):
+        raise FormatError("a tensor entry whose dtype is not a torch dtype", file=file, keypath=fqn)
+    pieces, covered = [], 0
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise FormatError(f"a chunk at {list(offsets)} of {list(sizes)} lies outside the tensor's {list(shape)}",
+                              file=file, keypath=fqn)
+        obj, _, _ = _chunk(directory, fqn, where.get((fqn, offsets)), readers, checkpoint)
+        if not isinstance(obj, _leaf.ArrayLeaf) or tuple(obj.shape) != sizes or obj.dtype_name != dtype.name:
+            raise FormatError(f"the chunk at {list(offsets)} does not hold a {dtype.name} tensor of {list(sizes)}",
+                              file=file, keypath=fqn)
+        pieces.append((tuple((o, o + s) for o, s in zip(offsets, sizes)), obj))
+        covered += math.prod(sizes)
+    if covered != math.prod(shape):  # (chunks inside the tensor, so equal volumes cover it, if they do not overlap)
+        raise FormatError(f"the chunks hold {covered} elements of the tensor's {math.prod(shape)}", file=file,
+                          keypath=fqn)
+    if len(pieces) == 1:
+        return pieces[0][1]
+    return _leaf.PiecedLeaf(shape, dtype.name, pieces, f"{file}: {fqn}: no chunk holds a part read")
+
+
+def _chunk(directory: Path, fqn: str, place: Any, readers: dict, checkpoint: Checkpoint) -> tuple[Any, Any, Any]:
+    """The object a chunk's embedded ``torch.save`` zip holds (a lazy leaf for a tensor)."""
+    file = str(directory / METADATA)
+    if place is None:
+        raise FormatError(f"{METADATA} says where none of the key's chunks lie", file=file, keypath=fqn)
+    name, offset, length, transforms = place
+    if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..") \
+            or not name.endswith(".distcp"):
+        raise FormatError(f"a chunk in {name!r}, outside the checkpoint's .distcp files", file=file, keypath=fqn)
+    if transforms:
+        raise FormatError(f"a chunk stored with transforms {transforms!r}, which treecli does not undo", file=file,
+                          keypath=fqn)
+    path = directory / name
+    if name not in readers:
+        if not path.is_file():
+            raise FormatError(f"{name} is missing", file=file, keypath=fqn)
+        with open_regular(path) as f:
+            readers[name] = FileReader(str(path), identity(os.fstat(f.fileno())))
+        checkpoint._closers.append(readers[name].close)
+    if not (type(offset) is int and type(length) is int and 0 <= offset
+            and offset + length <= readers[name].identity[2]):
+        raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
+    obj, places = torch_format.read_zip(path, readers[name], (offset, length))
+    items = torch_format.items_of(obj, places, readers[name], str(path))
+    value = items[0][1] if len(items) == 1 and items[0][0] == "" else obj
+    return value, places, readers[name]
