@@ -11,6 +11,7 @@ import json
 import re
 import shlex
 import shutil
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -134,6 +135,10 @@ def _pytorch_files(box: Path) -> None:
     weight_map = {k: name for name, keys in names.items() for k in keys}
     (hf / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (hf / "config.json").write_text('{"model_type": "llama"}')
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state, "step": 1000}, checkpoint_id=box / "step-1000")
 
 
 MODELS = """
