@@ -506,3 +506,29 @@ def test_orbax_arrays_from_a_dripping_server_end_within_the_deadline(orbax_run, 
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("treecli: error: ") and "Traceback" not in result.stderr
     assert elapsed < 40, elapsed  # a few deadlines (TensorStore retries too), never a quarter of an hour
+
+
+def test_pytorch_and_gguf_files_read_over_http_by_byte_ranges(server, tmp_path, cli):
+    torch = pytest.importorskip("torch")
+    gguf = pytest.importorskip("gguf")
+    state = {f"model.layers.{i}.weight": torch.randn(64, 256) for i in range(8)}  # 512 KiB of data
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    server.files["/org/m/resolve/main/pytorch_model.bin"] = (tmp_path / "pytorch_model.bin").read_bytes()
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    for i in range(8):
+        writer.add_tensor(f"blk.{i}.w", np.random.default_rng(i).standard_normal((64, 256)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    server.files["/model.gguf"] = (tmp_path / "model.gguf").read_bytes()
+    for remote, local in (("hf://org/m/pytorch_model.bin", tmp_path / "pytorch_model.bin"),
+                          (f"{server.url}/model.gguf", tmp_path / "model.gguf")):
+        server.bytes_served = 0
+        shown = cli("show", remote, "--json")
+        assert shown.code == 0, shown.stderr
+        assert server.bytes_served < 200_000, (remote, server.bytes_served)  # the header, not the data
+        assert without_file(shown) == without_file(cli("show", local, "--json"))
+        out = tmp_path / f"{local.stem}.safetensors"
+        assert cli("convert", remote, out).code == 0
+        assert cli("diff", out, local).code == 0

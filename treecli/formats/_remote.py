@@ -1,6 +1,6 @@
 """Checkpoints where they live: HTTP(S), the Hugging Face Hub, S3 and GCS.
 
-Safetensors files and HF layouts are read by byte ranges through a source of
+Safetensors files and HF layouts (and PyTorch and GGUF files over HTTP) are read by byte ranges through a source of
 ``treecli._bytes`` (``HttpReader`` for HTTP and the Hub, ``KvstoreReader`` for
 buckets), so the same lazy leaves read local and remote files and only the bytes
 a command needs move. Orbax checkpoints are read by ``formats.orbax`` through a
@@ -60,12 +60,13 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
     Orbax checkpoint, read through TensorStore's kvstore drivers as a local one is."""
     from treecli.formats._folder import BucketFolder, HttpFolder
 
-    if format not in (None, "safetensors", "orbax"):
-        raise UsageError(f"treecli reads safetensors and Orbax checkpoints from URLs, not {format}", file=url)
+    if format not in (None, "safetensors", "orbax", *_FILES.values()):
+        raise UsageError(f"treecli reads safetensors, Orbax, PyTorch and GGUF checkpoints from URLs, not {format}",
+                         file=url)
     names_a_file = format != "orbax" and step is None
     if url.startswith(kvstore.SCHEMES):
         store, key = kvstore.open_store(url)
-        if not (key.endswith((".safetensors", ".index.json")) and names_a_file):
+        if not (key.endswith((".safetensors", ".index.json", *_FILES)) and names_a_file):
             return _open_directory(url, BucketFolder.open(url, store), format, step)
         parent, _, path = key.rpartition("/")
         folder: Any = BucketFolder.unlisted(url.rsplit("/", 1)[0], store, parent + "/" if parent else "")
@@ -78,7 +79,7 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
             base = urllib.parse.urlunsplit(parts._replace(path="/", query="", fragment=""))
             inner = parts.path.lstrip("/")
         parent, _, path = inner.rstrip("/").rpartition("/")
-        if not (path.endswith((".safetensors", ".index.json")) and names_a_file):
+        if not (path.endswith((".safetensors", ".index.json", *_FILES)) and names_a_file):
             directory = base + inner.rstrip("/") + "/" if inner.strip("/") else base
             return _open_directory(url, HttpFolder(url, directory, headers), format, step)
         exact = {} if url.startswith("hf://") else {urllib.parse.unquote(path): url}  # a query string and all
@@ -89,7 +90,27 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
         if text is None:
             raise FormatError("not found", file=url)
         return _open_sharded(url, folder, text)
+    other = next((name for extension, name in _FILES.items() if path.endswith(extension)), None)
+    if other is not None:
+        return _open_other(url, folder.reader(path), other)
     return _open_file(url, _read_header(folder, path))
+
+
+# Files of other formats read from URLs by byte ranges, by their extension.
+_FILES = {".gguf": "gguf", ".bin": "torch", ".pt": "torch", ".pth": "torch"}
+
+
+def _open_other(url: str, reader: Any, format: str) -> Checkpoint:
+    """A PyTorch or GGUF file, its header (or zip directory and pickle) read by byte ranges,
+    its leaves lazy byte ranges, as a local file's are."""
+    import importlib
+
+    if reader.size is None:  # a bucket's answers say no size, and a zip is read from its end
+        raise UsageError("treecli reads PyTorch and GGUF files over HTTP and from the Hub; from a bucket, copy the "
+                         "file here first", file=url)
+    checkpoint = importlib.import_module(f"treecli.formats.{format}").open_source(reader, reader.size)
+    checkpoint.file = url
+    return checkpoint
 
 
 def _open_directory(url: str, folder: Any, format: str | None, step: int | None) -> Checkpoint:

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import struct
 import zipfile
-from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from treecli._bytes.local import open_regular
 from treecli._bytes.writer import Digest
 from treecli._errors import FormatError, TreecliError
 
@@ -107,13 +104,14 @@ def encoded_name(name: str) -> tuple[bytes, int]:
     return encoded, flags
 
 
-class Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of an open file, as a file of their own: for
-    ``zipfile`` to read a zip embedded in a bigger file (a chunk of a PyTorch distributed
-    checkpoint)."""
+class SourceFile(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a byte source (``treecli._bytes``: a local
+    file, an HTTP or bucket object) as a file for ``zipfile``: each read a byte range, so
+    that a zip is read where it lies, only its directory and the members asked for (a
+    remote ``.bin``, a chunk inside a PyTorch distributed checkpoint's file)."""
 
-    def __init__(self, f: BinaryIO, start: int, length: int):
-        self._f, self._start, self._length, self._at = f, start, length, 0
+    def __init__(self, source: Any, start: int, length: int):
+        self._source, self._start, self._length, self._at = source, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -129,25 +127,33 @@ class Window(io.RawIOBase):
         return self._at
 
     def readinto(self, buffer: Any) -> int:
+        import numpy as np
+
         n = max(0, min(len(buffer), self._length - self._at))
-        data = os.pread(self._f.fileno(), n, self._start + self._at)
-        buffer[:len(data)] = data
-        self._at += len(data)
-        return len(data)
+        if n:
+            data = np.empty(n, np.uint8)
+            self._source.read_into(data, self._start + self._at)
+            memoryview(buffer)[:n] = data
+        self._at += n
+        return n
 
 
-def stored_member_offset(path: Path, info: zipfile.ZipInfo, base: int = 0) -> int:
-    """Where a stored member's bytes start in the file: after its local file header, which
-    must name the member as the central directory does (zipfile, and so np.load, checks
-    that too); ``base``: where the zip starts in the file."""
-    with open_regular(path) as f:
-        f.seek(base + info.header_offset)
-        local = f.read(30)
-        if len(local) < 30 or local[:4] != b"PK\x03\x04":
-            raise FormatError(f"bad local header for member {info.filename!r}", file=str(path))
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        local_name = f.read(name_len)
+def stored_member_offset(source: Any, info: zipfile.ZipInfo, base: int = 0) -> int:
+    """Where a stored member's bytes start in a byte source: after its local file header,
+    which must name the member as the central directory does (zipfile, and so np.load,
+    checks that too); ``base``: where the zip starts in the source."""
+    import numpy as np
+
+    local = np.empty(30, np.uint8)
+    source.read_into(local, base + info.header_offset)
+    local = local.tobytes()
+    if local[:4] != b"PK\x03\x04":
+        raise FormatError(f"bad local header for member {info.filename!r}", file=source.path)
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    local_name = np.empty(name_len, np.uint8)
+    source.read_into(local_name, base + info.header_offset + 30)
     encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
-    if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
-        raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=str(path))
+    if local_name.tobytes() != info.orig_filename.encode(encoding, "surrogateescape"):
+        raise FormatError(f"member {info.filename!r} is named {local_name.tobytes()!r} in its local header",
+                          file=source.path)
     return base + info.header_offset + 30 + name_len + extra_len

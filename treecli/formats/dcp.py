@@ -151,7 +151,7 @@ def _chunk(directory: Path, fqn: str, place: Any, readers: dict, checkpoint: Che
     if not (type(offset) is int and type(length) is int and 0 <= offset
             and offset + length <= readers[name].identity[2]):
         raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
-    obj, places = torch_format.read_zip(path, readers[name], (offset, length))
+    obj, places = torch_format.read_zip(readers[name], (offset, length))
     items = torch_format.items_of(obj, places, readers[name], str(path))
     value = items[0][1] if len(items) == 1 and items[0][0] == "" else obj
     return value, places, readers[name]

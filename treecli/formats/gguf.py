@@ -56,37 +56,42 @@ class GgufFormat(Format):
             return None if f.read(4) == MAGIC else "does not start with GGUF"
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
-        path = Path(path)
         with open_regular(path) as f:
             file_identity = identity(os.fstat(f.fileno()))
-        reader = FileReader(str(path), file_identity)
-        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path))
-        checkpoint._closers.append(reader.close)
-        header = _Header(reader, file_identity[2], str(path))
-        items, quantized = [], {}
-        for name, dims, kind, offset in header.tensors:
-            shape = tuple(reversed(dims))
-            if kind in _ARRAYS:
-                items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
-            else:
-                items.append((name, _QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
-                quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
-        checkpoint.tree, warning = _flatkeys.nest(items, ".")
-        checkpoint.warnings.extend([warning] if warning else [])
-        checkpoint.metadata = header.metadata
-        if quantized:
-            kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(quantized.items()))
-            checkpoint.info["quantized"] = f"{kinds} (float32 leaves, dequantized when read)"
-        return checkpoint
+        return open_source(FileReader(str(path), file_identity), file_identity[2])
+
+
+def open_source(reader: Any, size: int) -> Checkpoint:
+    """A GGUF file in a byte source of ``size`` bytes (a local file, an HTTP or bucket
+    object): its header read by ranges, its tensors lazy ranges of it."""
+    checkpoint = Checkpoint(tree=None, format=GgufFormat.name, file=reader.path)
+    checkpoint._closers.append(reader.close)
+    header = _Header(reader, size, reader.path)
+    items, quantized = [], {}
+    for name, dims, kind, offset in header.tensors:
+        shape = tuple(reversed(dims))
+        if kind in _ARRAYS:
+            items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
+        else:
+            items.append((name, _QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
+            quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
+    checkpoint.tree, warning = _flatkeys.nest(items, ".")
+    checkpoint.warnings.extend([warning] if warning else [])
+    checkpoint.metadata = header.metadata
+    if quantized:
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(quantized.items()))
+        checkpoint.info["quantized"] = f"{kinds} (float32 leaves, dequantized when read)"
+    return checkpoint
 
 
 class _Header:
     """The parsed header: ``metadata`` (key -> text), ``tensors`` ((name, dims, type,
     absolute offset)) and ``sizes`` (type -> (block size, bytes per block))."""
 
-    def __init__(self, reader: FileReader, size: int, file: str):
+    def __init__(self, reader: Any, size: int, file: str):
         self._reader, self._size, self._file = reader, size, file
         self._at, self._buffer, self._buffer_at = 0, b"", 0
+        self._window = 64 << 10  # read ahead: 64 KiB first (over HTTP, most headers' whole), doubling to 4 MiB
         if self._take(4) != MAGIC:
             raise FormatError("not a GGUF file: no GGUF magic", file=file)
         version = self._int("<I")
@@ -136,8 +141,9 @@ class _Header:
             raise FormatError(f"the header runs past the end of the file (reading {n:,} bytes at {self._at:,} of "
                               f"{self._size:,})", file=self._file)
         local = self._at - self._buffer_at
-        if local + n > len(self._buffer):  # a window of at least 1 MiB from here
-            window = np.empty(min(max(n, 1 << 20), self._size - self._at), np.uint8)
+        if local + n > len(self._buffer):  # the next window from here
+            window = np.empty(min(max(n, self._window), self._size - self._at), np.uint8)
+            self._window = min(self._window * 2, 4 << 20)
             self._reader.read_into(window, self._at)
             self._buffer, self._buffer_at, local = window.tobytes(), self._at, 0
         self._at += n
@@ -232,7 +238,7 @@ class _QuantizedLeaf(_leaf.WholeLeaf):
     """A quantized tensor: float32 values of its logical shape, its blocks read whole and
     dequantized by the gguf package when asked."""
 
-    def __init__(self, reader: FileReader, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int]):
+    def __init__(self, reader: Any, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int]):
         self._reader, self._offset, self._kind = reader, offset, kind
         self._block, self._block_bytes = sizes
         self.shape = shape

@@ -205,16 +205,25 @@ class TorchFormat(Format):
             checkpoint.companions = companions(path, {p.name for p in checkpoint.origin.files})
             return checkpoint
         checkpoint = Checkpoint(tree=None, format=self.name, file=str(path), origin=Origin("file", path, [path]))
-        if path.name.endswith(".bin.index.json"):
-            items = _open_index(path, checkpoint)
-        else:
-            items = _open_file(path, checkpoint)
-        if len(items) == 1 and items[0][0] == "":
-            checkpoint.tree = items[0][1]  # the object is one tensor or value
-        else:
-            checkpoint.tree, warning = _flatkeys.nest(items, ".")
-            checkpoint.warnings.extend([warning] if warning else [])
+        _fill(checkpoint, _open_index(path, checkpoint) if path.name.endswith(".bin.index.json")
+              else _open_file(path, checkpoint))
         return checkpoint
+
+
+def open_source(source: Any, size: int) -> Checkpoint:
+    """A torch.save file in a byte source of ``size`` bytes (an HTTP or bucket object)."""
+    checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=source.path)
+    checkpoint._closers.append(source.close)
+    _fill(checkpoint, source_items(source, size))
+    return checkpoint
+
+
+def _fill(checkpoint: Checkpoint, items: list[tuple[str, Any]]) -> None:
+    if len(items) == 1 and items[0][0] == "":
+        checkpoint.tree = items[0][1]  # the object is one tensor or value
+    else:
+        checkpoint.tree, warning = _flatkeys.nest(items, ".")
+        checkpoint.warnings.extend([warning] if warning else [])
 
 
 _INDEX = "pytorch_model.bin.index.json"
@@ -232,11 +241,21 @@ def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
     """One torch.save file's (dotted key, leaf or value) items; its reader closes with ``checkpoint``."""
     with open_regular(path) as f:
         file_identity = identity(os.fstat(f.fileno()))
-        legacy = f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
     reader = FileReader(str(path), file_identity)
     checkpoint._closers.append(reader.close)
-    obj, places = _read_legacy(path, reader) if legacy else read_zip(path, reader)
-    return items_of(obj, places, reader, str(path))
+    return source_items(reader, file_identity[2])
+
+
+def source_items(source: Any, size: int) -> list[tuple[str, Any]]:
+    """The items of a torch.save file in a byte source of ``size`` bytes (local or remote),
+    its leaves lazy byte ranges of it."""
+    import numpy as np
+
+    head = np.empty(min(size, len(_LEGACY_MAGIC)), np.uint8)
+    source.read_into(head, 0)
+    legacy = head.tobytes() == _LEGACY_MAGIC
+    obj, places = _read_legacy(source, size) if legacy else read_zip(source, (0, size))
+    return items_of(obj, places, source, source.path)
 
 
 def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
@@ -270,14 +289,15 @@ def _archive_name(names: list[str]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def read_zip(path: Path, reader: FileReader, window: tuple[int, int] | None = None
-              ) -> tuple[Any, dict[str, tuple[int, int]]]:
-    """The unpickled object, and where each storage lies: (offset in the file, bytes).
-    ``window``: the zip is the bytes ``(start, length)`` of the file (a DCP chunk)."""
-    file = str(path)
-    start = window[0] if window else 0
+def read_zip(source: Any, window: tuple[int, int]) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The unpickled object, and where each storage lies in the source: (offset, bytes).
+    The zip is the bytes ``window`` = ``(start, length)`` of ``source`` (a local file's
+    reader, an HTTP or bucket object's), read by byte ranges: its directory, its pickle,
+    then nothing until a leaf is read."""
+    file = source.path
+    start = window[0]
     try:
-        with open_regular(path) as f, zipfile.ZipFile(_zip.Window(f, *window) if window else f) as z:
+        with zipfile.ZipFile(_zip.SourceFile(source, *window)) as z:
             infos = {info.filename: info for info in z.infolist()}
             prefix = _archive_name(list(infos))
             if prefix is None:
@@ -301,16 +321,15 @@ def read_zip(path: Path, reader: FileReader, window: tuple[int, int] | None = No
             raise FormatError(f"the pickle names storage {key!r}, which the zip does not hold", file=file)
         if info.compress_type != zipfile.ZIP_STORED:
             raise FormatError(f"storage {key!r} is compressed; torch.save stores storages as they are", file=file)
-        places[key] = (_zip.stored_member_offset(path, info, start), info.file_size)
+        places[key] = (_zip.stored_member_offset(source, info, start), info.file_size)
     return obj, places
 
 
-def _read_legacy(path: Path, reader: FileReader) -> tuple[Any, dict[str, tuple[int, int]]]:
+def _read_legacy(reader: Any, size: int) -> tuple[Any, dict[str, tuple[int, int]]]:
     """The same from a legacy stream: its pickles, then each storage's count and bytes."""
     import numpy as np
 
-    file = str(path)
-    size = os.path.getsize(path)
+    file = reader.path
     head = np.empty(min(size, MAX_PICKLE_BYTES), np.uint8)
     reader.read_into(head, 0)
     data = head.tobytes()
@@ -362,7 +381,7 @@ def _storage(pid: Any, named: dict[str, _Storage], file: str) -> _Storage:
     return named[key]
 
 
-def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: FileReader, file: str) -> list[tuple[str, Any]]:
+def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: Any, file: str) -> list[tuple[str, Any]]:
     """The unpickled object as (dotted key, lazy leaf or value) items, to nest as
     safetensors' names nest."""
     items: list[tuple[str, Any]] = []
@@ -393,7 +412,7 @@ def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: FileReader, f
     return items
 
 
-def _leaf_of(tensor: _Tensor, places: dict[str, tuple[int, int]], reader: FileReader, file: str,
+def _leaf_of(tensor: _Tensor, places: dict[str, tuple[int, int]], reader: Any, file: str,
              keypath: str) -> _leaf.ArrayLeaf:
     """A lazy leaf over a tensor's elements of its storage, checked to lie inside it."""
     offset, nbytes = places[tensor.storage.key]
@@ -427,7 +446,7 @@ class _StridedLeaf(_leaf.WholeLeaf):
     """A view with other strides than C order's (a transpose, a strided slice, an expand):
     the span of storage it covers is read once, then laid out in C order."""
 
-    def __init__(self, reader: FileReader, start: int, shape: tuple[int, ...], stride: tuple[int, ...],
+    def __init__(self, reader: Any, start: int, shape: tuple[int, ...], stride: tuple[int, ...],
                  dtype_name: str, span: int):
         self._reader, self._start, self._stride, self._span = reader, start, stride, span
         self.shape = shape
