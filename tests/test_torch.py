@@ -256,3 +256,20 @@ def test_a_legacy_stream_cut_short_is_one_line(tmp_path, cli):
     (tmp_path / "head.pt").write_bytes(data[:60])
     assert_clean_error(cli("show", tmp_path / "head.pt"), "the pickle ends early")
     assert struct.unpack("<q", data[-408:-400])[0] == 100  # (the count before the storage, as treecli reads it)
+
+
+def test_a_zip_bomb_and_members_outside_the_folder_are_one_line(tmp_path, cli):
+    pickled, storages = real_pickle({"w": torch.arange(6.0)})
+    with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as z:  # 1 GiB of pickle from 1 MB
+        z.writestr("archive/data.pkl", b"\x80\x02" + b"N" * (1 << 30))
+    assert_clean_error(cli("show", tmp_path / "bomb.pt"), "more than any checkpoint's pickle")
+    with zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as z:  # storages are stored, not deflated
+        z.writestr("archive/data.pkl", pickled)
+        z.writestr("archive/data/0", storages["0"])
+    assert_clean_error(cli("show", tmp_path / "deflated.pt"), "storage '0' is compressed")
+    torch_zip(tmp_path / "two.pt", pickled, storages)  # a second folder with a data.pkl: which is the checkpoint?
+    with zipfile.ZipFile(tmp_path / "two.pt", "a") as z:
+        z.writestr("other/data.pkl", pickled)
+    assert_clean_error(cli("show", tmp_path / "two.pt"), "no single NAME/data.pkl")
+    torch_zip(tmp_path / "nested.pt", pickled, storages, folder="a/b")  # data.pkl deeper than one folder
+    assert_clean_error(cli("show", tmp_path / "nested.pt"))

@@ -191,8 +191,8 @@ class TorchFormat(Format):
         if not head.startswith(b"PK\x03\x04"):
             return "neither a zip nor a legacy torch.save stream"
         try:
-            with zipfile.ZipFile(path) as z:
-                return None if _archive_name(z.namelist()) is not None else "a zip without NAME/data.pkl"
+            with zipfile.ZipFile(path) as z:  # (opening says which data.pkl is missing or ambiguous)
+                return None if any(n.endswith("/data.pkl") for n in z.namelist()) else "a zip without NAME/data.pkl"
         except (zipfile.BadZipFile, OSError, ValueError):
             return "not a readable zip"
 
