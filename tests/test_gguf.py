@@ -140,3 +140,36 @@ def test_hostile_headers_are_one_line(cli, tmp_path, content, fragment):
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
     assert_clean_error(cli("show", path), fragment)
+
+
+def test_gguf_to_gguf_keeps_metadata_types_and_quantized_blocks_as_they_are(cli, model, tmp_path):
+    result = cli("convert", model, tmp_path / "again.gguf")
+    assert result.code == 0 and "verified" in result.stderr, result.stderr
+    before, after = gguf.GGUFReader(str(model)), gguf.GGUFReader(str(tmp_path / "again.gguf"))
+    for name, field in before.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        copied = after.fields[name]
+        assert copied.types == field.types, name
+        assert [bytes(p) for p in copied.parts] == [bytes(p) for p in field.parts], name
+    assert {t.name: (t.tensor_type, bytes(t.data)) for t in after.tensors} == \
+        {t.name: (t.tensor_type, bytes(t.data)) for t in before.tensors}  # (in key-path order)
+
+
+def test_float_and_integer_leaves_write_gguf_that_gguf_reads(tmp_path):
+    rng = np.random.default_rng(1)
+    tree = {"model": {"embed": rng.standard_normal((8, 32)).astype(ml_dtypes.bfloat16),
+                      "w": rng.standard_normal((3, 5)).astype(np.float32),
+                      "h": rng.standard_normal(7).astype(np.float16), "d": rng.standard_normal(2)},
+            "ids": np.arange(5, dtype=np.int64), "mask": np.arange(4, dtype=np.int8)}
+    treecli.save(tree, tmp_path / "out.gguf", metadata={"general.name": "mine"})
+    reader = gguf.GGUFReader(str(tmp_path / "out.gguf"))
+    assert bytes(reader.fields["general.name"].parts[-1]) == b"mine"
+    got = {t.name: t for t in reader.tensors}
+    flat = {"model.embed": tree["model"]["embed"], "model.w": tree["model"]["w"], "model.h": tree["model"]["h"],
+            "model.d": tree["model"]["d"], "ids": tree["ids"], "mask": tree["mask"]}
+    for name, array in flat.items():
+        assert list(reversed(got[name].shape.tolist())) == list(array.shape), name
+        assert bytes(got[name].data) == array.tobytes(), name
+    with pytest.raises(treecli.TreecliError, match="GGUF cannot hold 1 leaf"):
+        treecli.save({"b": np.zeros(2, bool)}, tmp_path / "bool.gguf")

@@ -104,7 +104,7 @@ def test_debug_is_read_as_the_option_it_is(tmp_path):
 # --- names ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["out.h5", "out.npy", "out.gguf", "out.onnx", "out.json"])
+@pytest.mark.parametrize("name", ["out.h5", "out.npy", "out.tflite", "out.onnx", "out.json"])
 def test_an_output_extension_treecli_does_not_write_is_an_error(tmp_path, name):
     src = tmp_path / "m.safetensors"
     save_file({"w": np.ones(2, np.float32)}, str(src))

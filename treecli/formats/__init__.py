@@ -144,12 +144,12 @@ def _refuse_special(path: Path) -> None:
 
 
 # Formats treecli writes, and how an output is named for each.
-WRITES = (".safetensors, .npz, .msgpack, .eqx, .pt/.bin/.pth, or a directory (an HF safetensors directory, or an "
+WRITES = (".safetensors, .npz, .msgpack, .eqx, .pt/.bin/.pth, .gguf, or a directory (an HF safetensors directory, or an "
           "Orbax checkpoint)")
 # Extensions of files treecli reads but does not write, or never reads: an output named
 # so is a mistake, never a directory of that name.
 _FOREIGN_EXTENSIONS = (".h5", ".hdf5", ".ckpt", ".pkl", ".pickle",
-                       ".json", ".gguf", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
+                       ".json", ".onnx", ".tflite", ".pb", ".zip", ".tar", ".gz", ".txt", ".keras")
 
 
 def output_format(target: Path, format: str | None, input_format: str | None) -> tuple[Format, bool]:

@@ -102,6 +102,24 @@ class WriteOptions:
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
 
+    def refuse_or_drop(self, unsupported: list[str], holder: str, file: str) -> None:
+        """What a format cannot hold (``"name (why)"`` lines): an error listing them, or,
+        with ``drop_unsupported``, one warning naming them (the caller leaves them out).
+
+        Raises:
+            TreecliError: some, without ``drop_unsupported``.
+        """
+        from treecli._errors import TreecliError, counted, option
+
+        if not unsupported:
+            return
+        if not self.drop_unsupported:
+            raise TreecliError(f"{holder} cannot hold {counted(len(unsupported), 'leaf', 'leaves')} (use "
+                               f"{option('drop_unsupported')} to drop them)", file=file, details=unsupported)
+        if self.warn:
+            self.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} {holder} cannot hold: "
+                      f"{', '.join(unsupported[:20])}")
+
     def writeback(self, f: Any) -> Any:
         """The ``writer.Writeback`` of an output file open for writing as ``f``, reading it
         back as it is written when the output is verified."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from treecli import _leaf, _memory, _tree
-from treecli._errors import TreecliError, UsageError, counted, in_cli, option
+from treecli._errors import TreecliError, UsageError, in_cli
 from treecli._keypath import format_keypath
 from treecli.formats._base import WriteOptions
 from treecli.formats.orbax import _OWNED, _param_name
@@ -181,11 +181,6 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
             unsupported.append((keypath, type(x).__name__))
     if not unsupported:
         return tree
-    listed = [f"{format_keypath(kp)} ({what})" for kp, what in unsupported]
-    if not options.drop_unsupported:
-        raise TreecliError(f"Orbax cannot hold {len(listed)} {'leaf' if len(listed) == 1 else 'leaves'} (use "
-                           f"{option('drop_unsupported')} to drop them)", file=file, details=listed)
-    if options.warn:
-        options.warn(f"dropped {counted(len(listed), 'leaf', 'leaves')} Orbax cannot hold: {', '.join(listed[:20])}")
+    options.refuse_or_drop([f"{format_keypath(kp)} ({what})" for kp, what in unsupported], "Orbax", file)
     dropped = {kp for kp, _ in unsupported}
     return _tree.unflatten([(kp, x) for kp, x in items if kp not in dropped], template=tree)

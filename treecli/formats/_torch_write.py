@@ -18,7 +18,6 @@ from typing import Any
 
 from treecli import _leaf
 from treecli._bytes import writer
-from treecli._errors import TreecliError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _zip
 from treecli.formats._base import WriteOptions
@@ -68,13 +67,7 @@ def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any
             entries.append((key, leaf))
         else:
             unsupported.append(f"{format_keypath(keypath)} ({type(leaf).__name__})")
-    if unsupported:
-        if not options.drop_unsupported:
-            raise TreecliError(f"PyTorch files cannot hold {counted(len(unsupported), 'leaf', 'leaves')} (use "
-                               f"{option('drop_unsupported')} to drop them)", file=file, details=unsupported)
-        if options.warn:
-            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} PyTorch files cannot hold: "
-                         f"{', '.join(unsupported[:20])}")
+    options.refuse_or_drop(unsupported, "PyTorch files", file)
     return entries
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import struct
 import zipfile
+from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from treecli._bytes.local import open_regular
 from treecli._bytes.writer import Digest
 from treecli._errors import FormatError, TreecliError
 
@@ -139,21 +142,27 @@ class SourceFile(io.RawIOBase):
 
 
 def stored_member_offset(source: Any, info: zipfile.ZipInfo, base: int = 0) -> int:
-    """Where a stored member's bytes start in a byte source: after its local file header,
-    which must name the member as the central directory does (zipfile, and so np.load,
-    checks that too); ``base``: where the zip starts in the source."""
-    import numpy as np
+    """Where a stored member's bytes start: after its local file header, which must name
+    the member as the central directory does (zipfile, and so np.load, checks that too).
+    ``source``: a local file's path (read as metadata, apart from the data reads a
+    verification watches), or a byte source; ``base``: where the zip starts in it."""
+    def read(offset: int, n: int) -> bytes:
+        if isinstance(source, Path):
+            with open_regular(source) as f:
+                return os.pread(f.fileno(), n, offset)
+        import numpy as np
 
-    local = np.empty(30, np.uint8)
-    source.read_into(local, base + info.header_offset)
-    local = local.tobytes()
-    if local[:4] != b"PK\x03\x04":
-        raise FormatError(f"bad local header for member {info.filename!r}", file=source.path)
+        out = np.empty(n, np.uint8)
+        source.read_into(out, offset)
+        return out.tobytes()
+
+    name = str(source) if isinstance(source, Path) else source.path
+    local = read(base + info.header_offset, 30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise FormatError(f"bad local header for member {info.filename!r}", file=name)
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    local_name = np.empty(name_len, np.uint8)
-    source.read_into(local_name, base + info.header_offset + 30)
+    local_name = read(base + info.header_offset + 30, name_len)
     encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
-    if local_name.tobytes() != info.orig_filename.encode(encoding, "surrogateescape"):
-        raise FormatError(f"member {info.filename!r} is named {local_name.tobytes()!r} in its local header",
-                          file=source.path)
+    if local_name != info.orig_filename.encode(encoding, "surrogateescape"):
+        raise FormatError(f"member {info.filename!r} is named {local_name!r} in its local header", file=name)
     return base + info.header_offset + 30 + name_len + extra_len

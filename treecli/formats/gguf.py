@@ -24,7 +24,7 @@ from treecli import _leaf
 from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, Format
+from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 
 MAGIC = b"GGUF"
@@ -48,6 +48,12 @@ class GgufFormat(Format):
 
     name = "gguf"
     extensions = (".gguf",)
+    writable = True
+
+    def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
+        from treecli.formats import _gguf_write
+
+        _gguf_write.write(tree, target, options)
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -73,7 +79,7 @@ def open_source(reader: Any, size: int) -> Checkpoint:
         if kind in _ARRAYS:
             items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
         else:
-            items.append((name, _QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
+            items.append((name, QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
             quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     checkpoint.warnings.extend([warning] if warning else [])
@@ -101,7 +107,7 @@ class _Header:
         if count > MAX_TENSORS or keys > MAX_KEYS:
             raise FormatError(f"the header declares {count:,} tensors and {keys:,} metadata keys; refusing "
                               f"(at most {MAX_TENSORS:,} and {MAX_KEYS:,})", file=file)
-        self.metadata: dict[str, str] = {}
+        self.metadata: dict[str, MetaValue] = {}
         alignment = 32
         for _ in range(keys):
             key = self._string()
@@ -111,7 +117,7 @@ class _Header:
                 if kind != 4 or value < 1 or value & (value - 1):
                     raise FormatError(f"general.alignment is {value!r}, not a power of two", file=file)
                 alignment = value
-            self.metadata[key] = value if isinstance(value, str) else _text(value)
+            self.metadata[key] = MetaValue(kind, value)
         infos = [(self._string(), *self._tensor_info()) for _ in range(count)]
         start = -(-self._at // alignment) * alignment
         self.sizes = _sizes({kind for _, _, kind, _ in infos} - set(_ARRAYS), file)
@@ -156,6 +162,7 @@ class _Header:
         return self._take(self._int("<Q")).decode("utf-8", "replace")
 
     def _value(self, kind: int, depth: int) -> Any:
+        """A value as Python holds it; an array as ``(item type, [items])``."""
         if kind in _SCALARS:
             return self._int(_SCALARS[kind][0])
         if kind == _STRING:
@@ -163,18 +170,17 @@ class _Header:
         if kind != _ARRAY or depth > 2:
             raise FormatError(f"metadata value type {kind}, which GGUF does not define", file=self._file)
         item, count = self._int("<I"), self._int("<Q")
-        if item in _SCALARS:  # read the first items shown; skip the rest by their size
+        if item in _SCALARS:
+            import numpy as np
+
             size = struct.calcsize(_SCALARS[item][0])
             if count * size > self._size - self._at:
                 raise FormatError(f"a metadata array of {count:,} items runs past the end of the file",
                                   file=self._file)
-            shown = [self._value(item, depth + 1) for _ in range(min(count, SHOWN_ITEMS))]
-            self._take((count - len(shown)) * size)
-            return shown if count <= SHOWN_ITEMS else _Summary(count, _SCALARS[item][1])
+            return item, np.frombuffer(self._take(count * size), _SCALARS[item][0]).tolist()
         if count > self._size - self._at:  # every string or array takes at least 8 bytes
             raise FormatError(f"a metadata array of {count:,} items runs past the end of the file", file=self._file)
-        values = [self._value(item, depth + 1) for _ in range(count)]
-        return values if count <= SHOWN_ITEMS else _Summary(count, "strings" if item == _STRING else "arrays")
+        return item, [self._value(item, depth + 1) for _ in range(count)]
 
     def _tensor_info(self) -> tuple[list[int], int, int]:
         n = self._int("<I")
@@ -199,18 +205,29 @@ class _Header:
         return count // block * size
 
 
-class _Summary:
-    """A long metadata array, as ``show`` prints it."""
+class MetaValue(str):
+    """A metadata value: its text as ``show`` prints it (an array of more than 16 items
+    summarised, ``[151936 strings]``), carrying its GGUF type and its whole value, so that
+    a GGUF output writes it back as it was (and any other writer writes the text)."""
 
-    def __init__(self, count: int, what: str):
-        self.count, self.what = count, what
+    kind: int
+    value: Any
 
-    def __repr__(self) -> str:
-        return f"[{self.count} {self.what}]"
+    def __new__(cls, kind: int, value: Any) -> "MetaValue":
+        text = super().__new__(cls, _text(kind, value))
+        text.kind, text.value = kind, value
+        return text
 
 
-def _text(value: Any) -> str:
-    return repr(value) if isinstance(value, _Summary) else str(value)
+def _text(kind: int, value: Any) -> str:
+    if kind != _ARRAY:
+        return str(value)
+    item, items = value
+    if len(items) > SHOWN_ITEMS:
+        what = _SCALARS[item][1] if item in _SCALARS else "strings" if item == _STRING else "arrays"
+        return f"[{len(items)} {what}]"
+    return "[" + ", ".join(_text(item, v) if item == _ARRAY else repr(v) if item == _STRING else str(v)
+                           for v in items) + "]"
 
 
 def _type_name(kind: int) -> str:
@@ -234,15 +251,32 @@ def _sizes(kinds: set[int], file: str) -> dict[int, tuple[int, int]]:
     return sizes
 
 
-class _QuantizedLeaf(_leaf.WholeLeaf):
+class QuantizedLeaf(_leaf.WholeLeaf):
     """A quantized tensor: float32 values of its logical shape, its blocks read whole and
-    dequantized by the gguf package when asked."""
+    dequantized by the gguf package when asked. A GGUF output copies its blocks as they
+    are (``kind``, ``raw_nbytes`` bytes at ``raw_offset`` of ``reader``)."""
 
     def __init__(self, reader: Any, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int]):
         self._reader, self._offset, self._kind = reader, offset, kind
         self._block, self._block_bytes = sizes
         self.shape = shape
         self.dtype_name = "float32"
+
+    @property
+    def kind(self) -> int:
+        return self._kind
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self.size // self._block * self._block_bytes
+
+    def read_raw(self, start: int, stop: int):
+        """Bytes ``[start, stop)`` of its blocks, as stored."""
+        import numpy as np
+
+        out = np.empty(stop - start, np.uint8)
+        self._reader.read_into(out, self._offset + start)
+        return out
 
     @property
     def sources(self) -> tuple[str, ...]:

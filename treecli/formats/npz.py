@@ -176,7 +176,7 @@ def _member_leaf(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, re
                           file=file, keypath=key)
     native = dtype.byteorder in ("=", "|", "<")
     if info.compress_type == zipfile.ZIP_STORED and not fortran and native:
-        return FileArrayLeaf(reader, _zip.stored_member_offset(reader, info) + data_start, tuple(shape), name)
+        return FileArrayLeaf(reader, _zip.stored_member_offset(path, info) + data_start, tuple(shape), name)
     if fortran:
         return _FortranMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)
     return _StreamedMemberLeaf(reader, info, data_start, tuple(shape), dtype, name, key)

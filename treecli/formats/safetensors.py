@@ -17,7 +17,7 @@ from typing import Any
 from treecli import _atomic, _leaf
 from treecli._bytes import writer
 from treecli._bytes.local import FileReader, open_regular, read_text
-from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
+from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
@@ -238,16 +238,7 @@ def _entries_for_writing(tree: Any, file: str, options: WriteOptions) -> list[tu
             unsupported.append(f"{format_keypath(keypath)} (dtype {leaf.dtype_name})")
             continue
         entries.append((key, leaf))
-    if unsupported:
-        if not options.drop_unsupported:
-            raise TreecliError(
-                f"safetensors cannot hold {len(unsupported)} {'leaf' if len(unsupported) == 1 else 'leaves'} "
-                f"(use {option('drop_unsupported')} to drop them)",
-                file=file, details=unsupported,
-            )
-        if options.warn:
-            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} safetensors cannot hold: "
-                         f"{', '.join(unsupported[:20])}")
+    options.refuse_or_drop(unsupported, "safetensors", file)
     return entries
 
 

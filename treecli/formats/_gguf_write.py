@@ -1,0 +1,103 @@
+"""Writing GGUF: the header (metadata, tensor infos), then each tensor's bytes at its
+aligned offset, streamed.
+
+Float and integer leaves are written as GGUF's F32, F16, BF16, F64 and I8-I64 tensors,
+their shapes reversed (GGUF names the fastest dimension first). A quantized tensor read
+from a GGUF file is written with its blocks as they are, never dequantized and
+quantized again. Metadata read from a GGUF file keeps its types and whole values
+(a token list stays a list of strings); any other metadata is written as strings.
+``gguf.GGUFReader`` reads what it writes.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+from treecli import _leaf
+from treecli._bytes import writer
+from treecli._keypath import format_keypath
+from treecli.formats import _flatkeys
+from treecli.formats._base import WriteOptions
+from treecli.formats.gguf import _ARRAYS, _SCALARS, _STRING, MAGIC, MetaValue, QuantizedLeaf
+
+_TYPE_OF = {dtype: kind for kind, dtype in _ARRAYS.items()}
+_COPY_BYTES = 4 << 20  # a quantized tensor's blocks are copied this many bytes at a time
+
+
+def write(tree: Any, target: Path, options: WriteOptions) -> None:
+    entries = _entries(tree, str(target), options)
+    metadata = dict(options.metadata)
+    alignment = _alignment(metadata.get("general.alignment"))
+    infos, offset = [], 0
+    for name, leaf in entries:
+        kind = leaf.kind if isinstance(leaf, QuantizedLeaf) else _TYPE_OF[leaf.dtype_name]
+        nbytes = leaf.raw_nbytes if isinstance(leaf, QuantizedLeaf) else leaf.nbytes
+        infos.append(_string(name) + struct.pack("<I", len(leaf.shape)) +
+                     b"".join(struct.pack("<Q", d) for d in reversed(leaf.shape)) + struct.pack("<IQ", kind, offset))
+        offset += -(-nbytes // alignment) * alignment
+    head = MAGIC + struct.pack("<IQQ", 3, len(entries), len(metadata)) + \
+        b"".join(_string(key) + _typed(value) for key, value in metadata.items()) + b"".join(infos)
+    with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
+        f.write(head + b"\0" * (-len(head) % alignment))
+        writeback = options.writeback(f)
+        for name, leaf in entries:
+            if isinstance(leaf, QuantizedLeaf):
+                for start in range(0, leaf.raw_nbytes, _COPY_BYTES):
+                    raw = leaf.read_raw(start, min(leaf.raw_nbytes, start + _COPY_BYTES))
+                    f.write(raw)
+                    if options.progress:
+                        options.progress(raw.nbytes)
+                nbytes = leaf.raw_nbytes
+            else:
+                writer.write_leaf(f, leaf, file=str(target), keypath=name, writeback=writeback,
+                                  progress=options.progress, digests=options.digests)
+                nbytes = leaf.nbytes
+            f.write(b"\0" * (-nbytes % alignment))
+
+
+def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any]]:
+    entries, unsupported = [], []
+    for key, keypath, leaf in _flatkeys.flatten_for_writing(tree, ".", file):
+        if isinstance(leaf, QuantizedLeaf) or (_leaf.is_array(leaf) and _leaf.as_leaf(leaf).dtype_name in _TYPE_OF):
+            entries.append((key, leaf if isinstance(leaf, QuantizedLeaf) else _leaf.as_leaf(leaf)))
+        else:
+            what = f"dtype {_leaf.as_leaf(leaf).dtype_name}" if _leaf.is_array(leaf) else type(leaf).__name__
+            unsupported.append(f"{format_keypath(keypath)} ({what})")
+    options.refuse_or_drop(unsupported, "GGUF", file)
+    return entries
+
+
+def _alignment(value: Any) -> int:
+    """The data's alignment: the input's ``general.alignment`` where it had one, else GGUF's 32."""
+    if isinstance(value, MetaValue) and value.kind == 4 and value.value > 0 and not value.value & (value.value - 1):
+        return value.value
+    return 32
+
+
+def _string(text: str) -> bytes:
+    data = str(text).encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def _typed(value: Any) -> bytes:
+    """A metadata value: its own GGUF type where it came from a GGUF file, else a string."""
+    if not isinstance(value, MetaValue):
+        return struct.pack("<I", _STRING) + _string(value)
+    return struct.pack("<I", value.kind) + _payload(value.kind, value.value)
+
+
+def _payload(kind: int, value: Any) -> bytes:
+    if kind in _SCALARS:
+        return struct.pack(_SCALARS[kind][0], value)
+    if kind == _STRING:
+        return _string(value)
+    item, items = value
+    if item in _SCALARS:
+        import numpy as np
+
+        body = np.asarray(items, np.dtype(_SCALARS[item][0])).tobytes()
+    else:
+        body = b"".join(_payload(item, v) for v in items)
+    return struct.pack("<IQ", item, len(items)) + body
