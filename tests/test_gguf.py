@@ -173,3 +173,19 @@ def test_float_and_integer_leaves_write_gguf_that_gguf_reads(tmp_path):
         assert bytes(got[name].data) == array.tobytes(), name
     with pytest.raises(treecli.TreecliError, match="GGUF cannot hold 1 leaf"):
         treecli.save({"b": np.zeros(2, bool)}, tmp_path / "bool.gguf")
+
+
+def test_every_command_works_on_quantized_gguf_in_float(cli, model, tmp_path):
+    from safetensors.numpy import load_file
+
+    expected = expected_arrays(model)["blk.1.q8_0.weight"]
+    got = cli("get", model, "blk.1.q8_0.weight", "-o", tmp_path / "q.npy")
+    assert got.code == 0 and np.load(tmp_path / "q.npy").tobytes() == expected.tobytes(), got.stderr
+    assert cli("show", model, "--stats").code == 0
+    averaged = cli("average", model, model, "-o", tmp_path / "avg.safetensors")
+    assert averaged.code == 0, averaged.stderr
+    assert load_file(str(tmp_path / "avg.safetensors"))["blk.1.q8_0.weight"].tobytes() == expected.tobytes()
+    sliced = cli("slice", model, "--index", "blk.1.q8_0.weight=:2", "-o", tmp_path / "s.safetensors")
+    assert sliced.code == 0, sliced.stderr
+    assert load_file(str(tmp_path / "s.safetensors"))["blk.1.q8_0.weight"].tobytes() == expected[:2].tobytes()
+    assert cli("diff", model, tmp_path / "avg.safetensors").code == 0  # a model averaged with itself: itself

@@ -273,3 +273,17 @@ def test_a_zip_bomb_and_members_outside_the_folder_are_one_line(tmp_path, cli):
     assert_clean_error(cli("show", tmp_path / "two.pt"), "no single NAME/data.pkl")
     torch_zip(tmp_path / "nested.pt", pickled, storages, folder="a/b")  # data.pkl deeper than one folder
     assert_clean_error(cli("show", tmp_path / "nested.pt"))
+
+
+def test_edit_in_place_slice_and_average_of_pytorch_files(tmp_path, cli):
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4, dtype=torch.bfloat16), "step": 3}
+    torch.save(state, tmp_path / "m.pt")
+    edited = cli("edit", tmp_path / "m.pt", "--in-place", "--scale", "w=2", "--rename", "b=bias")
+    assert edited.code == 0, edited.stderr
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert loaded["w"].tolist() == (state["w"] * 2).tolist() and "bias" in loaded and loaded["step"] == 3
+    assert cli("slice", tmp_path / "m.pt", "--index", "w=0", "-o", tmp_path / "row.pt").code == 0
+    assert torch.load(tmp_path / "row.pt", weights_only=True)["w"].tolist() == [0.0, 2.0, 4.0, 6.0]
+    result = cli("average", tmp_path / "m.pt", tmp_path / "m.pt", "-o", tmp_path / "avg.bin")
+    assert result.code == 0, result.stderr
+    assert torch.load(tmp_path / "avg.bin", weights_only=True)["w"].tolist() == (state["w"] * 2).tolist()
