@@ -532,3 +532,30 @@ def test_pytorch_and_gguf_files_read_over_http_by_byte_ranges(server, tmp_path, 
         out = tmp_path / f"{local.stem}.safetensors"
         assert cli("convert", remote, out).code == 0
         assert cli("diff", out, local).code == 0
+
+
+def test_a_hub_repository_of_bin_shards_reads_as_its_local_copy(server, tmp_path, cli):
+    torch = pytest.importorskip("torch")
+    import json
+
+    local = tmp_path / "repo"
+    local.mkdir()
+    shards = {"pytorch_model-00001-of-00002.bin": {"model.embed.weight": torch.randn(512, 256)},
+              "pytorch_model-00002-of-00002.bin": {"model.norm.weight": torch.ones(256), "lm_head.weight":
+                                                   torch.randn(512, 256)}}
+    for name, state in shards.items():
+        torch.save(state, local / name)
+    index = {"weight_map": {k: name for name, state in shards.items() for k in state}}
+    (local / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    for path in local.iterdir():
+        server.files[f"/org/bins/resolve/main/{path.name}"] = path.read_bytes()
+    torch.save({"w": torch.randn(4, 4)}, tmp_path / "pytorch_model.bin")
+    server.files["/org/single/resolve/main/pytorch_model.bin"] = (tmp_path / "pytorch_model.bin").read_bytes()
+    server.bytes_served = 0
+    shown = cli("show", "hf://org/bins", "--json")
+    assert shown.code == 0, shown.stderr
+    assert server.bytes_served < 300_000  # each shard's first 64 KiB and zip directory: not the 1 MiB of data
+    assert without_file(shown) == without_file(cli("show", local, "--json"))
+    assert cli("diff", "hf://org/bins", local).code == 0
+    single = cli("show", "hf://org/single", "--json")
+    assert single.code == 0 and [row["keypath"] for row in single.json["leaves"]] == ["w"], single.stderr

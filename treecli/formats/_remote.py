@@ -130,10 +130,17 @@ def _open_directory(url: str, folder: Any, format: str | None, step: int | None)
         except NotFoundError:  # (an HTTP directory's presumed model.safetensors)
             if format == "safetensors":
                 raise
+    if format in (None, "torch") and step is None:
+        from treecli.formats import torch
+
+        opened = torch.open_folder(folder, url)
+        if opened is not None:
+            return opened
     if format == "safetensors" or (step is None and not orbax.is_checkpoint(folder)):
         how = (f"{len(folder.subfolders())} subdirectories" if folder.listable else
                "an HTTP directory cannot be listed: name a CheckpointManager step with --step")
-        raise FormatError(f"no checkpoint here: no shard index, model.safetensors or Orbax checkpoint ({how})",
+        raise FormatError(f"no checkpoint here: no shard index, model.safetensors, pytorch_model.bin or Orbax "
+                          f"checkpoint ({how})",
                           file=url)
     return orbax.open_folder(folder, step)
 

@@ -259,18 +259,56 @@ def source_items(source: Any, size: int) -> list[tuple[str, Any]]:
 
 
 def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
-    """The items of every shard an HF ``pytorch_model.bin.index.json`` names, each tensor
-    checked to be in the shard the index maps it to."""
+    """The items of every shard an HF ``pytorch_model.bin.index.json`` names."""
+    def shard_items(shard: str) -> list[tuple[str, Any]]:
+        if not (index_path.parent / shard).exists():
+            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)",
+                              file=str(index_path))
+        return _open_file(index_path.parent / shard, checkpoint)
+
+    items, shards = _shard_items(read_text(index_path), str(index_path), shard_items)
+    checkpoint.origin = Origin("sharded", index_path, [index_path] + [index_path.parent / s for s in shards])
+    return items
+
+
+def open_folder(folder: Any, url: str) -> Checkpoint | None:
+    """The PyTorch weights of a remote HF repository or directory (a ``Folder`` over HTTP,
+    the Hub or a bucket prefix): its ``pytorch_model.bin.index.json`` and shards, else its
+    ``pytorch_model.bin``; None when it holds neither."""
+    from treecli._bytes.http import NotFoundError
+
+    checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=url)
+
+    def shard_items(name: str) -> list[tuple[str, Any]]:
+        reader = folder.reader(name)
+        checkpoint._closers.append(reader.close)
+        if reader.size is None:
+            raise FormatError("its size is not in the bucket's answers; copy the checkpoint here first",
+                              file=f"{url}/{name}")
+        return source_items(reader, reader.size)
+
+    text = folder.text(_INDEX)
+    if text is not None:
+        _fill(checkpoint, _shard_items(text, f"{url}/{_INDEX}", shard_items)[0])
+        return checkpoint
+    if folder.listable and _SINGLE not in folder.files():
+        return None
+    try:
+        _fill(checkpoint, shard_items(_SINGLE))
+    except NotFoundError:  # (an HTTP directory cannot be listed: asked for by name)
+        return None
+    return checkpoint
+
+
+def _shard_items(index_text: str, file: str, shard_items: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The items of every shard an index names (``shard_items(name)`` opens one), each
+    tensor checked to be in the shard the index maps it to; and the shards."""
     from treecli.formats.safetensors import shard_names
 
-    file = str(index_path)
-    weight_map, shards = shard_names(read_text(index_path), file)
+    weight_map, shards = shard_names(index_text, file)
     items = []
     for shard in shards:
-        shard_path = index_path.parent / shard
-        if not shard_path.exists():
-            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
-        for key, value in _open_file(shard_path, checkpoint):
+        for key, value in shard_items(shard):
             if _leaf.is_array(value) and weight_map.get(key) != shard:
                 raise FormatError(f"tensor is stored in shard {shard} but the index maps it to "
                                   f"{weight_map.get(key)!r}", file=file, keypath=key)
@@ -278,8 +316,7 @@ def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any
     missing = sorted(set(weight_map) - {key for key, _ in items})
     if missing:
         raise FormatError(f"the index names {len(missing)} tensors no shard holds (e.g. {missing[0]})", file=file)
-    checkpoint.origin = Origin("sharded", index_path, [index_path] + [index_path.parent / s for s in shards])
-    return items
+    return items, shards
 
 
 def _archive_name(names: list[str]) -> str | None:
