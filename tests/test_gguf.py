@@ -189,3 +189,21 @@ def test_every_command_works_on_quantized_gguf_in_float(cli, model, tmp_path):
     assert sliced.code == 0, sliced.stderr
     assert load_file(str(tmp_path / "s.safetensors"))["blk.1.q8_0.weight"].tobytes() == expected[:2].tobytes()
     assert cli("diff", model, tmp_path / "avg.safetensors").code == 0  # a model averaged with itself: itself
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_convert_quantizes_weights_into_gguf_as_gguf_quantizes_them(cli, tmp_path, kind):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(2)
+    weights = {"blk.0.w": rng.standard_normal((8, 64)).astype(np.float32),
+               "blk.0.norm": np.ones(64, np.float32), "blk.0.odd": rng.standard_normal((3, 40)).astype(np.float32)}
+    save_file(weights, str(tmp_path / "m.safetensors"))
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", kind)
+    assert result.code == 0 and "verified" in result.stderr, result.stderr
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert tensors["blk.0.w"].tensor_type == Q[kind.upper()]
+    assert bytes(tensors["blk.0.w"].data) == quants.quantize(weights["blk.0.w"], Q[kind.upper()]).tobytes()
+    assert tensors["blk.0.norm"].tensor_type == Q.F32 and tensors["blk.0.odd"].tensor_type == Q.F32  # as llama.cpp
+    assert_clean_error(cli("convert", tmp_path / "m.safetensors", tmp_path / "o.npz", "--dtype", kind),
+                       "quantizes into a GGUF file")

@@ -18,7 +18,8 @@ def convert(
     target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False,
                                           metavar="TARGET")],
     format: opt.OutputFormatOpt = None,
-    dtype: opt.dtype_option("Cast floating-point leaves to this dtype.") = None,
+    dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q5_1, q5_0, "
+                            "q4_1 or q4_0 quantizes the weights (2-D leaves of whole blocks).") = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,
@@ -46,13 +47,20 @@ def convert(
     from treecli._edit import EditReport, cast_leaf
     from treecli._keypath import format_keypath
     from treecli._verify import Verifier
+    from treecli._errors import UsageError, option
     from treecli.formats import is_url, output_format
+    from treecli.formats.gguf import QUANTIZE_TO, quantizing
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt:
         tree = ckpt.tree
         report = EditReport()
-        if dtype:
+        if dtype and dtype.lower() in QUANTIZE_TO:  # a GGUF output's quantization of its weights
+            if output_format(Path(target), format, ckpt.format)[0].name != "gguf":
+                raise UsageError(f"{option('dtype', dtype)} quantizes into a GGUF file; name a .gguf output")
+            tree = _tree.map_leaves(lambda kp, x: quantizing(_leaf.as_leaf(x), dtype.lower())
+                                    if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name) else x, tree)
+        elif dtype:
             name = _dtypes.parse(dtype)
             tree = _tree.map_leaves(
                 lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report)

@@ -294,3 +294,59 @@ class QuantizedLeaf(_leaf.WholeLeaf):
         with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
             values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
         return values.astype(np.float32, copy=False).reshape(-1)
+
+
+# What a GGUF output can quantize float leaves to (the gguf package quantizes these).
+QUANTIZE_TO = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
+    """``leaf`` to be written quantized (``q8_0``, ...), as llama.cpp quantizes weights:
+    a leaf of two or more dimensions whose rows fill whole blocks; any other leaf as it is.
+    Its values are those a reader gets back: quantized, then dequantized."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType[kind_name.upper()]
+    block, size = GGML_QUANT_SIZES[kind]
+    if leaf.ndim < 2 or leaf.shape[-1] % block or not leaf.size:
+        return leaf
+    return _Quantizing(leaf, int(kind), (block, size))
+
+
+class _Quantizing(QuantizedLeaf):
+    """A float leaf quantized when written (its blocks computed whole, once per pass over
+    them) and read back as its blocks dequantized: a verified output compares equal."""
+
+    def __init__(self, source: _leaf.ArrayLeaf, kind: int, sizes: tuple[int, int]):
+        super().__init__(None, 0, tuple(source.shape), kind, sizes)
+        self._source = source
+        self._blocks = None
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self._source.sources
+
+    def _quantized(self):
+        import numpy as np
+        from gguf import quants
+        from gguf.constants import GGMLQuantizationType
+
+        data = np.asarray(self._source, np.float32).reshape(-1, self.shape[-1])
+        return quants.quantize(data, GGMLQuantizationType(self.kind)).reshape(-1)
+
+    def read_raw(self, start: int, stop: int):
+        if self._blocks is None:
+            self._blocks = self._quantized()
+        out = self._blocks[start:stop]
+        if stop >= self.raw_nbytes:
+            self._blocks = None
+        return out
+
+    def load(self):
+        import numpy as np
+        from gguf import quants
+        from gguf.constants import GGMLQuantizationType
+
+        blocks = self._quantized().reshape(-1, self.shape[-1] // self._block * self._block_bytes)
+        with np.errstate(all="ignore"):
+            return quants.dequantize(blocks, GGMLQuantizationType(self.kind)).astype(np.float32).reshape(-1)
