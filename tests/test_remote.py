@@ -559,3 +559,18 @@ def test_a_hub_repository_of_bin_shards_reads_as_its_local_copy(server, tmp_path
     assert cli("diff", "hf://org/bins", local).code == 0
     single = cli("show", "hf://org/single", "--json")
     assert single.code == 0 and [row["keypath"] for row in single.json["leaves"]] == ["w"], single.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_distributed_checkpoint_on_the_hub_reads_as_its_local_copy(server, tmp_path, cli):
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    dcp.save({"model": {"w": torch.randn(256, 256), "b": torch.ones(256)}, "step": 7}, checkpoint_id=tmp_path / "c")
+    for path in (tmp_path / "c").iterdir():
+        server.files[f"/org/run/resolve/main/step-7/{path.name}"] = path.read_bytes()
+    server.bytes_served = 0
+    shown = cli("show", "hf://org/run/step-7", "--json")
+    assert shown.code == 0, shown.stderr
+    assert server.bytes_served < 200_000  # .metadata and the chunks' first bytes, not the 257 KB of data
+    assert without_file(shown) == without_file(cli("show", tmp_path / "c", "--json"))
+    assert cli("diff", "hf://org/run/step-7", tmp_path / "c").code == 0

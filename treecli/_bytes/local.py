@@ -82,6 +82,11 @@ class FileReader:
         # A tree from treecli.load() is often just dropped, never closed: its descriptor goes with it.
         weakref.finalize(self, _POOL.collected, self.token)
 
+    @property
+    def size(self) -> int:
+        """The file's size when its identity was taken (as a remote source's ``size``)."""
+        return self.identity[2]
+
     def open_checked(self) -> int:
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO took its place
         if identity(os.fstat(fd)) != self.identity:

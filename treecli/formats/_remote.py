@@ -60,7 +60,7 @@ def open_remote(url: str, format: str | None = None, step: int | None = None) ->
     Orbax checkpoint, read through TensorStore's kvstore drivers as a local one is."""
     from treecli.formats._folder import BucketFolder, HttpFolder
 
-    if format not in (None, "safetensors", "orbax", *_FILES.values()):
+    if format not in (None, "safetensors", "orbax", "dcp", *_FILES.values()):
         raise UsageError(f"treecli reads safetensors, Orbax, PyTorch and GGUF checkpoints from URLs, not {format}",
                          file=url)
     names_a_file = format != "orbax" and step is None
@@ -130,6 +130,10 @@ def _open_directory(url: str, folder: Any, format: str | None, step: int | None)
         except NotFoundError:  # (an HTTP directory's presumed model.safetensors)
             if format == "safetensors":
                 raise
+    from treecli.formats import dcp
+
+    if format in (None, "dcp") and step is None and dcp.in_folder(folder):
+        return dcp.open_folder(folder)
     if format in (None, "torch") and step is None:
         from treecli.formats import torch
 

@@ -13,12 +13,10 @@ touches. Non-tensor values (a step counter) are read from their own small pickle
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from treecli import _leaf
-from treecli._bytes.local import FileReader, identity, open_regular
 from treecli._errors import FormatError
 from treecli.formats import _flatkeys, torch as torch_format
 from treecli.formats._base import Checkpoint, Format
@@ -56,32 +54,71 @@ class DcpFormat(Format):
         return None if any(p.name.endswith(".distcp") for p in path.iterdir()) else "no .distcp files"
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
-        path = Path(path)
-        file = str(path / METADATA)
-        with open_regular(path / METADATA) as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
-        if len(data) > MAX_METADATA_BYTES:
-            raise FormatError(f"{METADATA} is larger than {MAX_METADATA_BYTES >> 20} MiB", file=file)
-        metadata = Unpickler(data, file=file, allowed=ALLOWED).load()[0]
-        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path))
+        from treecli.formats._folder import LocalFolder
+
+        return open_folder(LocalFolder(Path(path)))
+
+
+def in_folder(folder: Any) -> bool:
+    """Whether a remote ``Folder`` holds a DCP checkpoint: its ``.metadata`` (listed, or,
+    over HTTP, asked for: it is binary, no text to fetch)."""
+    from treecli._bytes.http import NotFoundError
+
+    if folder.listable:
+        return METADATA in folder.files()
+    try:
+        folder.reader(METADATA).close()
+    except NotFoundError:
+        return False
+    return True
+
+
+def open_folder(folder: Any) -> Checkpoint:
+    """A DCP checkpoint in a ``Folder``: a local directory, or one over HTTP, the Hub or in a
+    bucket, every file read by byte ranges through its reader."""
+    import numpy as np
+
+    file = folder.named(METADATA)
+    readers: dict[str, Any] = {}
+    checkpoint = Checkpoint(tree=None, format=DcpFormat.name, file=folder.name)
+    reader = _reader(folder, METADATA, readers, checkpoint, file, None)
+    if reader.size > MAX_METADATA_BYTES:
+        raise FormatError(f"{METADATA} is larger than {MAX_METADATA_BYTES >> 20} MiB", file=file)
+    data = np.empty(reader.size, np.uint8)
+    reader.read_into(data, 0)
+    metadata = Unpickler(data.tobytes(), file=file, allowed=ALLOWED).load()[0]
+    try:
+        entries, places = metadata.field("state_dict_metadata"), metadata.field("storage_data")
+        where = {(index.field("fqn"), _offsets(_fields(index).get("offset"))):
+                 (info.field("relative_path"), info.field("offset"), info.field("length"),
+                  _fields(info).get("transform_descriptors"))  # (fields at their defaults are not pickled)
+                 for index, info in places.items()}
+    except (KeyError, AttributeError, TypeError):
+        raise FormatError(f"{METADATA} is not a DCP Metadata of state_dict_metadata and storage_data",
+                          file=file) from None
+    items = []
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str) or not isinstance(entry, Record):
+            raise FormatError(f"{METADATA} has an entry that is not a key and its storage", file=file)
+        items.append((fqn, _value(folder, fqn, entry, where, readers, checkpoint)))
+    checkpoint.tree, warning = _flatkeys.nest(items, ".")
+    checkpoint.warnings.extend([warning] if warning else [])
+    return checkpoint
+
+
+def _reader(folder: Any, name: str, readers: dict, checkpoint: Checkpoint, file: str, fqn: str | None) -> Any:
+    """The folder's reader of ``name`` (opened once), its size known."""
+    if name not in readers:
         try:
-            entries, places = metadata.field("state_dict_metadata"), metadata.field("storage_data")
-            where = {(index.field("fqn"), _offsets(_fields(index).get("offset"))):
-                     (info.field("relative_path"), info.field("offset"), info.field("length"),
-                      _fields(info).get("transform_descriptors"))  # (fields at their defaults are not pickled)
-                     for index, info in places.items()}
-        except (KeyError, AttributeError, TypeError):
-            raise FormatError(f"{METADATA} is not a DCP Metadata of state_dict_metadata and storage_data",
-                              file=file) from None
-        readers: dict[str, FileReader] = {}
-        items = []
-        for fqn, entry in entries.items():
-            if not isinstance(fqn, str) or not isinstance(entry, Record):
-                raise FormatError(f"{METADATA} has an entry that is not a key and its storage", file=file)
-            items.append((fqn, _value(path, fqn, entry, where, readers, checkpoint)))
-        checkpoint.tree, warning = _flatkeys.nest(items, ".")
-        checkpoint.warnings.extend([warning] if warning else [])
-        return checkpoint
+            reader = folder.reader(name)
+        except (OSError, FormatError):
+            raise FormatError(f"{name} is missing or cannot be read", file=file, keypath=fqn) from None
+        checkpoint._closers.append(reader.close)
+        if reader.size is None:
+            raise FormatError("its size is not in the bucket's answers; copy the checkpoint here first",
+                              file=folder.named(name))
+        readers[name] = reader
+    return readers[name]
 
 
 def _fields(item: Record) -> dict:
@@ -92,12 +129,11 @@ def _offsets(value: Any) -> tuple | None:
     return None if value is None else tuple(value)
 
 
-def _value(directory: Path, fqn: str, entry: Record, where: dict, readers: dict, checkpoint: Checkpoint) -> Any:
+def _value(folder: Any, fqn: str, entry: Record, where: dict, readers: dict, checkpoint: Checkpoint) -> Any:
     """One key's leaf (a tensor, from its chunks) or value."""
-    file = str(directory / METADATA)
+    file = folder.named(METADATA)
     if entry.name == "BytesStorageMetadata":
-        obj, places, reader = _chunk(directory, fqn, where.get((fqn, None)), readers, checkpoint)
-        return obj
+        return _chunk(folder, fqn, where.get((fqn, None)), readers, checkpoint)
     if entry.name != "TensorStorageMetadata":
         raise FormatError(f"a {entry.name} entry, which treecli does not read", file=file, keypath=fqn)
     try:
@@ -115,7 +151,7 @@ def _value(directory: Path, fqn: str, entry: Record, where: dict, readers: dict,
                 o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
             raise FormatError(f"a chunk at {list(offsets)} of {list(sizes)} lies outside the tensor's {list(shape)}",
                               file=file, keypath=fqn)
-        obj, _, _ = _chunk(directory, fqn, where.get((fqn, offsets)), readers, checkpoint)
+        obj = _chunk(folder, fqn, where.get((fqn, offsets)), readers, checkpoint)
         if not isinstance(obj, _leaf.ArrayLeaf) or tuple(obj.shape) != sizes or obj.dtype_name != dtype.name:
             raise FormatError(f"the chunk at {list(offsets)} does not hold a {dtype.name} tensor of {list(sizes)}",
                               file=file, keypath=fqn)
@@ -129,9 +165,9 @@ def _value(directory: Path, fqn: str, entry: Record, where: dict, readers: dict,
     return _leaf.PiecedLeaf(shape, dtype.name, pieces, f"{file}: {fqn}: no chunk holds a part read")
 
 
-def _chunk(directory: Path, fqn: str, place: Any, readers: dict, checkpoint: Checkpoint) -> tuple[Any, Any, Any]:
+def _chunk(folder: Any, fqn: str, place: Any, readers: dict, checkpoint: Checkpoint) -> Any:
     """The object a chunk's embedded ``torch.save`` zip holds (a lazy leaf for a tensor)."""
-    file = str(directory / METADATA)
+    file = folder.named(METADATA)
     if place is None:
         raise FormatError(f"{METADATA} says where none of the key's chunks lie", file=file, keypath=fqn)
     name, offset, length, transforms = place
@@ -141,17 +177,9 @@ def _chunk(directory: Path, fqn: str, place: Any, readers: dict, checkpoint: Che
     if transforms:
         raise FormatError(f"a chunk stored with transforms {transforms!r}, which treecli does not undo", file=file,
                           keypath=fqn)
-    path = directory / name
-    if name not in readers:
-        if not path.is_file():
-            raise FormatError(f"{name} is missing", file=file, keypath=fqn)
-        with open_regular(path) as f:
-            readers[name] = FileReader(str(path), identity(os.fstat(f.fileno())))
-        checkpoint._closers.append(readers[name].close)
-    if not (type(offset) is int and type(length) is int and 0 <= offset
-            and offset + length <= readers[name].identity[2]):
+    reader = _reader(folder, name, readers, checkpoint, file, fqn)
+    if not (type(offset) is int and type(length) is int and 0 <= offset and offset + length <= reader.size):
         raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
-    obj, places = torch_format.read_zip(readers[name], (offset, length))
-    items = torch_format.items_of(obj, places, readers[name], str(path))
-    value = items[0][1] if len(items) == 1 and items[0][0] == "" else obj
-    return value, places, readers[name]
+    obj, places = torch_format.read_zip(reader, (offset, length))
+    items = torch_format.items_of(obj, places, reader, reader.path)
+    return items[0][1] if len(items) == 1 and items[0][0] == "" else obj
