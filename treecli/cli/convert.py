@@ -48,17 +48,16 @@ def convert(
     from treecli._keypath import format_keypath
     from treecli._verify import Verifier
     from treecli._errors import UsageError, option
-    from treecli.formats import is_url, output_format
-    from treecli.formats.gguf import QUANTIZE_TO, quantizing
+    from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantized_in_gguf
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt:
         tree = ckpt.tree
         report = EditReport()
-        if dtype and dtype.lower() in QUANTIZE_TO:  # a GGUF output's quantization of its weights
+        if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights
             if output_format(Path(target), format, ckpt.format)[0].name != "gguf":
                 raise UsageError(f"{option('dtype', dtype)} quantizes into a GGUF file; name a .gguf output")
-            tree = _tree.map_leaves(lambda kp, x: quantizing(_leaf.as_leaf(x), dtype.lower())
+            tree = _tree.map_leaves(lambda kp, x: quantized_in_gguf(_leaf.as_leaf(x), dtype.lower())
                                     if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name) else x, tree)
         elif dtype:
             name = _dtypes.parse(dtype)

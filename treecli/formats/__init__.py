@@ -45,6 +45,18 @@ def get(name: str) -> Format:
     return getattr(importlib.import_module(module), cls)()
 
 
+# What a GGUF output can quantize float leaves to (``convert --dtype``; the gguf package quantizes these).
+GGUF_QUANTIZATIONS = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def quantized_in_gguf(leaf: Any, kind: str) -> Any:
+    """``leaf`` to be written into a GGUF output quantized to ``kind`` (one of
+    ``GGUF_QUANTIZATIONS``) where llama.cpp would quantize it, else as it is."""
+    from treecli.formats import gguf
+
+    return gguf.quantizing(leaf, kind)
+
+
 def open_array(path: str | Path) -> Any:
     """The one array of a ``.npy`` file as a lazy leaf (``edit --set KEYPATH=@file.npy``)."""
     from treecli.formats import npy

@@ -296,10 +296,6 @@ class QuantizedLeaf(_leaf.WholeLeaf):
         return values.astype(np.float32, copy=False).reshape(-1)
 
 
-# What a GGUF output can quantize float leaves to (the gguf package quantizes these).
-QUANTIZE_TO = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-
-
 def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
     """``leaf`` to be written quantized (``q8_0``, ...), as llama.cpp quantizes weights:
     a leaf of two or more dimensions whose rows fill whole blocks; any other leaf as it is.

@@ -181,7 +181,7 @@ class TorchFormat(Format):
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
-            return None if _weights_in(path) is not None else f"no {_INDEX} or {_SINGLE}"
+            return None if _weights_in(path) else f"no {_INDEX} or {_SINGLE}"
         if path.name.endswith(".bin.index.json"):
             return None
         with open_regular(path) as f:
@@ -199,8 +199,7 @@ class TorchFormat(Format):
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
         if path.is_dir():
-            kind, name = _weights_in(path) or ("file", _SINGLE)
-            checkpoint = self.open(path / name)
+            checkpoint = self.open(path / (_weights_in(path) or _SINGLE))
             checkpoint.file = str(path)
             checkpoint.companions = companions(path, {p.name for p in checkpoint.origin.files})
             return checkpoint
@@ -230,11 +229,9 @@ _INDEX = "pytorch_model.bin.index.json"
 _SINGLE = "pytorch_model.bin"
 
 
-def _weights_in(directory: Path) -> tuple[str, str] | None:
+def _weights_in(directory: Path) -> str | None:
     """An HF directory's PyTorch weights: its shard index, else ``pytorch_model.bin``."""
-    if (directory / _INDEX).is_file():
-        return "index", _INDEX
-    return ("file", _SINGLE) if (directory / _SINGLE).is_file() else None
+    return next((name for name in (_INDEX, _SINGLE) if (directory / name).is_file()), None)
 
 
 def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
