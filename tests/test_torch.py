@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import struct
 import subprocess
@@ -287,3 +288,12 @@ def test_edit_in_place_slice_and_average_of_pytorch_files(tmp_path, cli):
     result = cli("average", tmp_path / "m.pt", tmp_path / "m.pt", "-o", tmp_path / "avg.bin")
     assert result.code == 0, result.stderr
     assert torch.load(tmp_path / "avg.bin", weights_only=True)["w"].tolist() == (state["w"] * 2).tolist()
+
+
+def test_key_paths_of_a_pytorch_file_complete(tmp_path):
+    torch.save({"model.layers.0.w": torch.ones(2), "model.layers.1.w": torch.ones(2)}, tmp_path / "m.pt")
+    env = {"_TREECLI_COMPLETE": "complete_bash", "COMP_WORDS": f"treecli get {tmp_path / 'm.pt'} model.l",
+           "COMP_CWORD": "3"}
+    result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True,
+                            env={**os.environ, **env})
+    assert result.stdout.split() == ["model.layers.0.", "model.layers.1."], result.stdout + result.stderr
