@@ -24,7 +24,7 @@ from typing import Any
 from treecli import _dtypes, _leaf, _pytree, _tree
 from treecli._bytes import writer
 from treecli._bytes.local import FileReader, identity, open_regular
-from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, counted, option
+from treecli._errors import FormatError, RefusedError, StructureError, TreecliError, counted
 from treecli._keypath import KeyPath, format_keypath
 from treecli.formats import _npy
 from treecli.formats._base import Checkpoint, Format, WriteOptions
@@ -149,13 +149,7 @@ def records(tree: Any, options: WriteOptions, file: str) -> list[tuple[str, _lea
     leaves = dict(_tree.flatten(tree)) if not (isinstance(tree, (dict, list, tuple)) and not tree) else {}
     unsupported = [f"{format_keypath(kp)} ({_tree.describe_leaf(x)})" for kp, x in leaves.items()
                    if not _leaf.is_array(x) and not _holds_nothing(x)]
-    if unsupported:
-        if not options.drop_unsupported:
-            raise TreecliError(f".eqx files hold arrays only, not {len(unsupported)} of these leaves (use "
-                               f"{option('drop_unsupported')} to drop them)", file=file, details=unsupported)
-        if options.warn:
-            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} an .eqx file cannot hold: "
-                         f"{', '.join(unsupported[:20])}")
+    options.refuse_or_drop(unsupported, "an .eqx file", file)
     arrays = {format_keypath(kp): _leaf.as_leaf(x) for kp, x in leaves.items() if _leaf.is_array(x)}
     if options.like is None:
         texts = [format_keypath(kp) for kp in _jax_order(tree)]

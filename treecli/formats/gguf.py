@@ -282,15 +282,17 @@ class QuantizedLeaf(_leaf.WholeLeaf):
     def sources(self) -> tuple[str, ...]:
         return (self._reader.path,)
 
+    def blocks(self):
+        """All its blocks, as stored (flat bytes)."""
+        return self.read_raw(0, self.raw_nbytes)
+
     def load(self):
         import numpy as np
         from gguf import quants
         from gguf.constants import GGMLQuantizationType
 
         row = self.shape[-1] if self.shape else 1
-        rows = self.size // max(1, row)
-        raw = np.empty((rows, row // self._block * self._block_bytes), np.uint8)
-        self._reader.read_into(raw, self._offset)
+        raw = self.blocks().reshape(self.size // max(1, row), row // self._block * self._block_bytes)
         with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
             values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
         return values.astype(np.float32, copy=False).reshape(-1)
@@ -322,7 +324,7 @@ class _Quantizing(QuantizedLeaf):
     def sources(self) -> tuple[str, ...]:
         return self._source.sources
 
-    def _quantized(self):
+    def blocks(self):
         import numpy as np
         from gguf import quants
         from gguf.constants import GGMLQuantizationType
@@ -332,17 +334,8 @@ class _Quantizing(QuantizedLeaf):
 
     def read_raw(self, start: int, stop: int):
         if self._blocks is None:
-            self._blocks = self._quantized()
+            self._blocks = self.blocks()
         out = self._blocks[start:stop]
         if stop >= self.raw_nbytes:
             self._blocks = None
         return out
-
-    def load(self):
-        import numpy as np
-        from gguf import quants
-        from gguf.constants import GGMLQuantizationType
-
-        blocks = self._quantized().reshape(-1, self.shape[-1] // self._block * self._block_bytes)
-        with np.errstate(all="ignore"):
-            return quants.dequantize(blocks, GGMLQuantizationType(self.kind)).astype(np.float32).reshape(-1)

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from treecli import _dtypes, _leaf, _memory
 from treecli._bytes import writer
 from treecli._bytes.local import FileReader, identity, open_regular
-from treecli._errors import FormatError, RefusedError, TreecliError, counted, option
+from treecli._errors import FormatError, RefusedError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys, _npy, _zip
 from treecli.formats._base import Checkpoint, Format, WriteOptions
@@ -299,14 +299,7 @@ def _write(tree: Any, target: Path, options: WriteOptions) -> None:
             entries.append((key, _leaf.as_leaf(leaf)))
         else:
             unsupported.append(f"{format_keypath(keypath)} ({'None' if leaf is None else type(leaf).__name__})")
-    if unsupported:
-        if not options.drop_unsupported:
-            raise TreecliError(f"npz cannot hold {len(unsupported)} non-array leaves (use "
-                               f"{option('drop_unsupported')} to "
-                               "drop them)", file=str(target), details=unsupported)
-        if options.warn:
-            options.warn(f"dropped {counted(len(unsupported), 'leaf', 'leaves')} npz cannot hold: "
-                         f"{', '.join(unsupported[:20])}")
+    options.refuse_or_drop(unsupported, "npz", str(target))
     if not entries:
         raise TreecliError("npz output would hold no arrays (a zip without .npy members is no npz treecli "
                            "reads); write safetensors or msgpack instead", file=str(target))
