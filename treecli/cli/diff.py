@@ -23,6 +23,13 @@ def diff(
     where: opt.WhereOpt = None,
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
+    by_layer: Annotated[bool, typer.Option("--by-layer", help="One row per layer and kind of module "
+                                           "(attention, MLP, norms): the relative change ‖b − a‖ / ‖a‖, as a bar.")
+                        ] = False,
+    layer_pattern: Annotated[Optional[str], typer.Option(
+        "--layer-pattern", metavar="REGEX", show_default=False,
+        help="With --by-layer: a regular expression whose first group is the layer number (default: the number "
+             "after layers., blocks., h. or layer.).")] = None,
     json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> int:
@@ -41,6 +48,8 @@ def diff(
     from treecli import _cluster, _diff
 
     out = Output(quiet=quiet)
+    if by_layer:
+        return _by_layer(out, a, b, step, like, layer_pattern, json)
     cluster = _cluster.current()  # several processes: each compares its share of the leaves
     part = (cluster.process_id, cluster.count) if cluster else (0, 1)
     with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
@@ -73,6 +82,27 @@ def _print(out: Output, result, json: bool) -> None:
             rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
                          note, _number(c.max_abs_diff), _number(c.max_rel_diff)])
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
+
+
+def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None, json: bool) -> int:
+    from treecli import _layers, _render
+
+    with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
+        total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
+        with out.progress("comparing", total * 2) as advance:
+            report = _layers.by_layer(left.tree, right.tree, layer_pattern=layer_pattern, progress=advance)
+    if json:
+        out.json(report.as_json())
+    else:
+        changes = [r.relative_change for r in report.rows]
+        top = max((c for c in changes if c is not None and c == c), default=0.0) or 1.0
+        rows = [["-" if r.layer is None else str(r.layer), r.kind, f"{r.params:,}",
+                 "" if c is None else f"{c:.3%}", "" if c is None or c != c else "█" * round(20 * c / top)]
+                for r, c in zip(report.rows, changes)]
+        out.lines(_render.table(["layer", "kind", "params", "‖b−a‖/‖a‖", ""], rows, {2, 3}))
+        if report.skipped:
+            out.note(f"{len(report.skipped)} leaves not compared (e.g. {report.skipped[0]})")
+    return ExitStatus.OK if report.equal else ExitStatus.DIFFERENCES
 
 
 def _gather(cluster, changes: list) -> list[list]:

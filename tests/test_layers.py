@@ -1,0 +1,82 @@
+"""``diff --by-layer`` (issue 35, item 4): one row per layer and kind of module with
+``‖b − a‖ / ‖a‖``, against a float64 NumPy reference, across formats."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import treecli
+
+from .conftest import assert_clean_error
+
+
+def llama_like(seed: int, layers: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {"model.embed_tokens.weight": rng.standard_normal((16, 8)).astype(np.float32),
+           "lm_head.weight": rng.standard_normal((16, 8)).astype(np.float32)}
+    for i in range(layers):
+        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight",
+                     "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[f"model.layers.{i}.{name}"] = rng.standard_normal((8, 8) if "norm" not in name else 8).astype(
+                np.float32)
+    return out
+
+
+def reference(a: dict, b: dict) -> dict[tuple, float]:
+    """‖b − a‖ / ‖a‖ per (layer, kind), in float64, from the definition."""
+    sums: dict[tuple, list[float]] = {}
+    for name, x in a.items():
+        found = re.search(r"layers\.(\d+)\.", name)
+        layer = int(found.group(1)) if found else None
+        kind = "norm" if "norm" in name else "attention" if "attn" in name else "mlp" if "mlp" in name else "other"
+        x64, y64 = x.astype(np.float64), b[name].astype(np.float64)
+        s = sums.setdefault((layer, kind), [0.0, 0.0])
+        s[0] += float(np.sum(x64 * x64))
+        s[1] += float(np.sum((y64 - x64) ** 2))
+    return {key: np.sqrt(change / norm) for key, (norm, change) in sums.items()}
+
+
+def test_each_layer_and_module_kind_changes_as_the_definition_says(cli, tmp_path):
+    a, b = llama_like(0), llama_like(0)
+    rng = np.random.default_rng(1)
+    for name in b:
+        if ".1." in name or "lm_head" in name:
+            b[name] = (b[name] + 0.1 * rng.standard_normal(b[name].shape)).astype(np.float32)
+    b["model.layers.2.mlp.up_proj.weight"] = b["model.layers.2.mlp.up_proj.weight"] * np.float32(1.5)
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    result = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer", "--json")
+    assert result.code == 1, result.stderr
+    got = {(row["layer"], row["kind"]): row["relative_change"] for row in result.json["rows"]}
+    want = reference(a, b)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    assert got[(0, "mlp")] == 0 and got[(1, "norm")] > 0 and got[(None, "other")] > 0
+    assert [row["layer"] for row in result.json["rows"]] == [0] * 3 + [1] * 3 + [2] * 3 + [None]
+    text = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer")
+    assert "2      mlp" in text.stdout and "█" * 20 in text.stdout  # the largest change: the full bar
+    same = cli("diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors", "--by-layer", "--json")
+    assert same.code == 0 and same.json["equal"] and all(r["relative_change"] == 0 for r in same.json["rows"])
+
+
+def test_by_layer_lines_up_trees_across_formats_and_names_its_pattern(cli, tmp_path):
+    a = llama_like(3)
+    b = {k: v * np.float32(2) for k, v in a.items()}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    treecli.save(b, tmp_path / "b.npz")
+    result = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.npz", "--by-layer", "--json")
+    assert result.code == 1 and all(row["relative_change"] == pytest.approx(1.0) for row in result.json["rows"])
+    blocks = {f"encoder.block_{i}.ffn.w": np.full(4, i + 1, np.float32) for i in range(2)}
+    save_file(blocks, str(tmp_path / "c.safetensors"))
+    save_file({k: v * np.float32(3) for k, v in blocks.items()}, str(tmp_path / "d.safetensors"))
+    custom = cli("diff", tmp_path / "c.safetensors", tmp_path / "d.safetensors", "--by-layer", "--json",
+                 "--layer-pattern", r"block_(\d+)")
+    assert [(r["layer"], r["kind"], r["relative_change"]) for r in custom.json["rows"]] == \
+        [(0, "mlp", 2.0), (1, "mlp", 2.0)]
+    assert_clean_error(cli("diff", tmp_path / "c.safetensors", tmp_path / "d.safetensors", "--by-layer",
+                           "--layer-pattern", "block_"), "must capture the layer number")
