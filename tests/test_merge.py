@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
 import treecli
 from treecli import _merge, _selection
 from treecli._combine import SUB_CHUNK
@@ -17,6 +18,25 @@ from treecli._combine import SUB_CHUNK
 from .conftest import BF16, assert_clean_error
 
 F16 = np.dtype(np.float16)
+
+
+@pytest.mark.parametrize("method, consensus", [("dare_linear", False), ("dare_ties", True)])
+def test_dare_rescales_each_task_vector_to_its_l1_norm_by_default_as_mergekit(method, consensus):
+    """mergekit's RescaleNorm.l1: what is kept times ‖d‖₁ / ‖d ⊙ keep‖₁ over the leaf; the
+    leaf spans several chunks, so the norms are summed across them."""
+    base, ms = models(np.float32, shape=(3 * SUB_CHUNK + 77,), count=2)
+    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.3, seed=9)
+    keeps = [_merge.dare_keep(9, "w", i, 0, base.size, 0.3) for i in range(2)]
+    deltas = [m.astype(np.float64) - base.astype(np.float64) for m in ms]
+    divisors = [np.abs(d * k).sum() / np.abs(d).sum() for d, k in zip(deltas, keeps)]  # 1 / the L1 factor
+    want = reference(base, ms, [1.0, 1.0], keeps=keeps, rescale_by=divisors, consensus=consensus)
+    # (the norms are summed chunk by chunk: the factor may differ in its last bits, the output by one ulp)
+    np.testing.assert_allclose(np.asarray(merged["w"], np.float64), want.astype(np.float64), rtol=1.2e-7, atol=0)
+    by_density, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.3, seed=9,
+                                  rescale="density")
+    assert not np.array_equal(np.asarray(by_density["w"]), np.asarray(merged["w"]))  # a named choice of its own
+    with pytest.raises(treecli.UsageError, match="rescale='linf': choose one of l1, density, none"):
+        treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.3, rescale="linf")
 
 
 def reference(base, models, weights, *, trim=None, keeps=None, consensus=False, normalize=False, rescale_by=None,
@@ -33,8 +53,9 @@ def reference(base, models, weights, *, trim=None, keeps=None, consensus=False, 
             mask = np.zeros(b.size, bool)
             mask[order[:k]] = True
             deltas[i] = d * mask
-    if keeps is not None:
-        deltas = [d * keep / (rescale_by or 1.0) for d, keep in zip(deltas, keeps)]
+    if keeps is not None:  # rescale_by: one divisor, or one per model
+        divisors = rescale_by if isinstance(rescale_by, list) else [rescale_by or 1.0] * len(deltas)
+        deltas = [d * keep / r for d, keep, r in zip(deltas, keeps, divisors)]
     weighted = [d * w for d, w in zip(deltas, weights)]
     if consensus:
         majority = np.where(np.sum(weighted, axis=0) >= 0, 1.0, -1.0)
@@ -102,7 +123,7 @@ def test_consensus_methods_match_the_reference_with_zeros_ties_and_any_weights(d
     ms = [(base.astype(np.float64) + np.asarray(d)).astype(dtype) for d in deltas]
     weights = data.draw(st.sampled_from([[1.0] * count, [-0.5] * count, [0.5 + i for i in range(count)]]))
     merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, weights=weights, density=density,
-                              normalize=normalize, seed=3)
+                              normalize=normalize, seed=3, **({} if method == "ties" else {"rescale": "density"}))
     if method == "ties":
         want = reference(base, ms, weights, trim=density, consensus=True, normalize=normalize)
     else:
@@ -202,11 +223,13 @@ def test_dare_is_the_same_whatever_the_chunks_and_keeps_about_density():
 @pytest.mark.parametrize("method, consensus", [("dare_linear", False), ("dare_ties", True)])
 def test_dare_matches_the_reference_and_reads_alike_in_any_chunks(method, consensus):
     base, ms = models(np.float32, shape=(SUB_CHUNK + 5000,), count=2)
-    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5)
+    merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5,
+                              rescale="density")
     keeps = [_merge.dare_keep(5, "w", i, 0, base.size, 0.4) for i in range(2)]
     want = reference(base, ms, [1.0, 1.0], keeps=keeps, rescale_by=0.4, consensus=consensus)
     assert bits(merged["w"]) == bits(want)
-    computed, _ = _merge.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5)
+    computed, _ = _merge.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5,
+                               rescale="density")
     leaf = computed["w"]  # read in pieces that match no block or chunk boundary
     pieces = np.concatenate([leaf.read_flat(s, min(leaf.size, s + 12345)) for s in range(0, leaf.size, 12345)])
     assert pieces.tobytes() == want.tobytes()
@@ -364,3 +387,20 @@ def test_equinox_modules_merge_into_their_own_type():
             + 0.5 * (np.asarray(a.layers[0].weight, np.float64) - np.asarray(base.layers[0].weight)
                      + np.asarray(b.layers[0].weight, np.float64) - np.asarray(base.layers[0].weight)))
     assert bits(merged.layers[0].weight) == bits(want.astype(np.float32))
+
+
+def test_the_rescale_flag_names_the_choice(cli, tmp_path):
+    base, ms = models(np.float32, count=2)
+    for name, array in (("base", base), ("a", ms[0]), ("b", ms[1])):
+        save_file({"w": array}, str(tmp_path / f"{name}.safetensors"))
+    args = ["merge", "--method", "dare_linear", "--base", tmp_path / "base.safetensors", tmp_path / "a.safetensors",
+            tmp_path / "b.safetensors", "--density", "0.5"]
+    assert cli(*args, "-o", tmp_path / "density.safetensors", "--rescale", "density").code == 0
+    expected, _ = treecli.merge([{"w": m} for m in ms], "dare_linear", base={"w": base}, density=0.5,
+                                rescale="density")
+    assert load_file(str(tmp_path / "density.safetensors"))["w"].tobytes() == bits(expected["w"])
+    assert_clean_error(cli(*args, "-o", tmp_path / "x.safetensors", "--rescale", "l2"),
+                       "--rescale 'l2': choose one of l1, density, none")
+    assert_clean_error(cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors",
+                           tmp_path / "a.safetensors", "--rescale", "none", "-o", tmp_path / "t.safetensors"),
+                       "is DARE's")

@@ -5,7 +5,9 @@ The methods and their defaults are mergekit's (``generalized_task_arithmetic``,
 
 - task vectors ``dᵢ = mᵢ − base``; TIES keeps each one's ``density`` fraction of
   largest magnitudes (exactly ``k = int(density · n)``), DARE keeps each element
-  with probability ``density`` and, by default, rescales by ``1/density``;
+  with probability ``density`` and rescales what it keeps (``rescale``): by default as
+  mergekit does, to each task vector's L1 norm over the leaf (``‖d‖₁ / ‖d ⊙ keep‖₁``,
+  found by a first pass), or by ``1/density`` (the DARE paper's), or not at all;
 - TIES and DARE-TIES elect a sign per element from the weighted sum ``Σ wᵢdᵢ`` (``≥ 0``
   is positive) and keep only the weighted deltas that agree with it;
 - the mixed delta is ``Σ wᵢdᵢ`` (over the agreeing ones), divided by ``Σ wᵢ`` (over
@@ -27,6 +29,7 @@ bytes whatever the chunk size or thread count.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -50,7 +53,7 @@ class Method:
     sparsify: str | None  # "magnitude" (TIES), "random" (DARE) or None
     consensus: bool  # elect a sign per element
     normalize: bool  # divide by the sum of the (agreeing) weights
-    rescale: bool  # DARE: divide what is kept by density
+    rescale: bool  # DARE: rescale what is kept (``merge``'s ``rescale`` says how)
 
 
 TASK_METHODS = {
@@ -60,6 +63,7 @@ TASK_METHODS = {
     "dare_linear": Method("random", False, False, True),
 }
 METHODS = ("linear", *TASK_METHODS, "slerp")
+RESCALES = ("l1", "density", "none")  # DARE's rescale of what it keeps: mergekit's L1 norm, 1/density, none
 
 
 class Scoped:
@@ -115,6 +119,7 @@ def merge(
     lambda_: list[str] | float | None = None,
     t: list[str] | float | None = None,
     seed: int = 0,
+    rescale: str = "l1",
     normalize: bool | None = None,
     names: list[str] | None = None,
     base_name: str = "base",
@@ -131,6 +136,8 @@ def merge(
         weights: one per model (default 1 each).
         density, lambda_, t: a number, or rules (``"0.5"``, ``"model.layers.*=0.7"``).
         seed: DARE's random seed.
+        rescale: how DARE rescales what it keeps of a task vector: ``"l1"`` (mergekit's:
+            to the vector's L1 norm over the leaf), ``"density"`` (by ``1/density``) or ``"none"``.
         normalize: divide by the summed weights (default: the method's own).
         non_float: as ``average``'s.
 
@@ -175,6 +182,12 @@ def merge(
     if t is not None:
         raise UsageError(f"{option('t', 'T')} is slerp's; {method} takes {option('density', 'D')} and "
                          f"{option('lambda_', 'L')}")
+    if rescale not in RESCALES:
+        raise UsageError(f"{option('rescale', rescale)}: choose one of {', '.join(RESCALES)}")
+    if rescale != "l1" and not spec.rescale:
+        raise UsageError(f"{option('rescale', rescale)} is DARE's; {method} keeps what it keeps as it is")
+    spec = dataclasses.replace(spec, rescale=spec.rescale and rescale != "none")
+    rescale_to_l1 = rescale == "l1"
     densities = Scoped("density", density, 1.0, lambda v: 0 < v <= 1, "a density must lie in (0, 1]")
     lambdas = Scoped("lambda_", lambda_, 1.0, lambda v: True, "a finite number")
     if spec.sparsify is None and density is not None:
@@ -183,7 +196,7 @@ def merge(
 
     def merged(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> _leaf.ComputedLeaf:
         return _task_leaf(leaves[0], leaves[1:], weights, spec, densities.value(kp), lambdas.value(kp),
-                          normalize, seed, text, report)
+                          normalize, seed, text, report, rescale_to_l1)
 
     return _merge_leaves([base, *trees], [base_name, *names], non_float, merged, checked=[densities, lambdas])
 
@@ -200,13 +213,15 @@ def _merge_leaves(trees: list[Any], names: list[str], non_float: str,
 
 def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: list[float], spec: Method,
                density: float, scale: float, normalize: bool, seed: int, keypath: str,
-               report: AverageReport) -> _leaf.ComputedLeaf:
+               report: AverageReport, rescale_to_l1: bool = True) -> _leaf.ComputedLeaf:
     import numpy as np
 
     sparse = spec.sparsify is not None and density < 1 and base.size > 0
     if sparse and spec.sparsify == "magnitude" and int(density * base.size) == 0:  # mergekit refuses it too
         raise UsageError(f"density {density} keeps no element of a leaf of {base.size}; raise it", keypath=keypath)
     trims = Trims(base, models, density) if sparse and spec.sparsify == "magnitude" else None
+    l1 = _L1Rescale(base, models, density, seed, keypath) if sparse and spec.sparsify == "random" and \
+        spec.rescale and rescale_to_l1 else None
     in_dtype = base.dtype
     weight_sum = math.fsum(weights) if abs(math.fsum(weights)) >= 1e-8 else 1.0  # mergekit's guard
     # With equal weights the divisor is the weight times a count of agreeing models, kept in bytes.
@@ -235,7 +250,9 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
                 d *= trims.keep(i, start, stop, magnitude_keys(m, base_key, space), space.keep)
             elif sparse:
                 d *= dare_keep(seed, keypath, i, start, stop, density, out=space.keep, work=space.coins)
-                if spec.rescale:
+                if l1 is not None:
+                    d *= l1.factors()[i]
+                elif spec.rescale:
                     d /= density
             if w != 1:
                 d *= w
@@ -348,6 +365,37 @@ def _elected(space: Space, weight: float | None, normalize: bool, negatives_from
         divisor[negative] = 1
     total /= divisor
     return total
+
+
+class _L1Rescale:
+    """DARE's rescale as mergekit's (``RescaleNorm.l1``): each task vector's kept elements
+    scaled by ``‖d‖₁ / ‖d ⊙ keep‖₁`` over the whole leaf (1 where ``‖d‖₁`` is below 1e-7 or
+    nothing is kept), found on first use by one pass over the inputs, in float64."""
+
+    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], density: float, seed: int,
+                 keypath: str):
+        self._base, self._models, self._density, self._seed, self._keypath = base, models, density, seed, keypath
+        self._lock = threading.Lock()
+        self._factors: list[float] | None = None
+
+    def factors(self) -> list[float]:
+        with self._lock:  # (blocks run on two threads; the first to ask makes the pass)
+            if self._factors is None:
+                self._factors = self._measure()
+            return self._factors
+
+    def _measure(self) -> list[float]:
+        import numpy as np
+
+        sums = [[0.0, 0.0] for _ in self._models]  # per model: ‖d‖₁, ‖d ⊙ keep‖₁
+        for start, stop in self._base.chunk_ranges():
+            b = self._base.read_flat(start, stop).astype(np.float64)
+            for i, model in enumerate(self._models):
+                magnitude = np.abs(model.read_flat(start, stop).astype(np.float64) - b)
+                keep = dare_keep(self._seed, self._keypath, i, start, stop, self._density)
+                sums[i][0] += float(magnitude.sum())
+                sums[i][1] += float(magnitude[keep].sum())
+        return [before / after if before >= 1e-7 and after > 0 else 1.0 for before, after in sums]
 
 
 def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float, *, out=None,

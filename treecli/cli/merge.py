@@ -32,6 +32,9 @@ def merge(
     t: opt.patterns("--t", "[PATTERN=]T: slerp's interpolation factor, 0 the base, 1 the other model.") = None,
     seed: Annotated[int, typer.Option("--seed", help="DARE's random seed: the same seed gives the same bytes "
                                       "anywhere.")] = 0,
+    rescale: Annotated[str, typer.Option("--rescale", help="How DARE rescales what it keeps: l1 (mergekit's: "
+                                         "each task vector back to its L1 norm over the leaf), density (by "
+                                         "1/density) or none.")] = "l1",
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="Divide by the summed "
                                                       "weights (default: the method's own, as mergekit: linear "
                                                       "and ties do).", show_default=False)] = None,
@@ -66,7 +69,7 @@ def merge(
         tree, report = merge_trees(
             [c.tree for c in opened], method, base=base_checkpoint.tree if base_checkpoint else None,
             weights=parse_weights(weights, len(opened)), density=density, lambda_=lambda_, t=t, seed=seed,
-            normalize=normalize, names=list(checkpoints), base_name=base or "base", non_float=non_float)
+            rescale=rescale, normalize=normalize, names=list(checkpoints), base_name=base or "base", non_float=non_float)
         source = base_checkpoint or opened[0]
         written = write_output(out, tree, output, source=source,
                                inputs=[*opened, *([base_checkpoint] if base else [])], format=format, force=force,
