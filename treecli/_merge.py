@@ -385,16 +385,27 @@ class _L1Rescale:
             return self._factors
 
     def _measure(self) -> list[float]:
+        """Per model, ``‖d‖₁ / ‖d ⊙ keep‖₁``, in one pass. (On two threads it ran slower here.)"""
         import numpy as np
 
         sums = [[0.0, 0.0] for _ in self._models]  # per model: ‖d‖₁, ‖d ⊙ keep‖₁
-        for start, stop in self._base.chunk_ranges():
-            b = self._base.read_flat(start, stop).astype(np.float64)
+        # One set of buffers for the pass (fresh memory per block cost more than the arithmetic)
+        raw, b, d = np.empty(SUB_CHUNK, self._base.dtype), np.empty(SUB_CHUNK), np.empty(SUB_CHUNK)
+        keep, coins = np.empty(SUB_CHUNK, bool), [np.empty(SUB_CHUNK // 2 + 2, np.uint64) for _ in range(2)]
+        for start in range(0, self._base.size, SUB_CHUNK):
+            stop = min(self._base.size, start + SUB_CHUNK)
+            n = stop - start
+            self._base.read_into(start, stop, raw[:n])
+            np.copyto(b[:n], raw[:n])
             for i, model in enumerate(self._models):
-                magnitude = np.abs(model.read_flat(start, stop).astype(np.float64) - b)
-                keep = dare_keep(self._seed, self._keypath, i, start, stop, self._density)
-                sums[i][0] += float(magnitude.sum())
-                sums[i][1] += float(magnitude[keep].sum())
+                model.read_into(start, stop, raw[:n])
+                np.copyto(d[:n], raw[:n])
+                d[:n] -= b[:n]
+                np.abs(d[:n], out=d[:n])
+                dare_keep(self._seed, self._keypath, i, start, stop, self._density, out=keep[:n], work=coins)
+                sums[i][0] += float(d[:n].sum())
+                d[:n] *= keep[:n]  # (in place: a dot with the bool mask would cast it to a new array)
+                sums[i][1] += float(d[:n].sum())
         return [before / after if before >= 1e-7 and after > 0 else 1.0 for before, after in sums]
 
 
