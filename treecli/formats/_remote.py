@@ -108,7 +108,7 @@ def _open_other(url: str, reader: Any, format: str) -> Checkpoint:
     if reader.size is None:  # a bucket's answers say no size, and a zip is read from its end
         raise UsageError("treecli reads PyTorch and GGUF files over HTTP and from the Hub; from a bucket, copy the "
                          "file here first", file=url)
-    checkpoint = importlib.import_module(f"treecli.formats.{format}").open_source(reader, reader.size)
+    checkpoint = importlib.import_module(f"treecli.formats.{format}").open_source(reader)
     checkpoint.file = url
     return checkpoint
 

@@ -64,15 +64,15 @@ class GgufFormat(Format):
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         with open_regular(path) as f:
             file_identity = identity(os.fstat(f.fileno()))
-        return open_source(FileReader(str(path), file_identity), file_identity[2])
+        return open_source(FileReader(str(path), file_identity))
 
 
-def open_source(reader: Any, size: int) -> Checkpoint:
-    """A GGUF file in a byte source of ``size`` bytes (a local file, an HTTP or bucket
+def open_source(reader: Any) -> Checkpoint:
+    """A GGUF file in a byte source of known ``size`` (a local file, an HTTP or bucket
     object): its header read by ranges, its tensors lazy ranges of it."""
     checkpoint = Checkpoint(tree=None, format=GgufFormat.name, file=reader.path)
     checkpoint._closers.append(reader.close)
-    header = _Header(reader, size, reader.path)
+    header = _Header(reader)
     items, quantized = [], {}
     for name, dims, kind, offset in header.tensors:
         shape = tuple(reversed(dims))
@@ -94,8 +94,9 @@ class _Header:
     """The parsed header: ``metadata`` (key -> text), ``tensors`` ((name, dims, type,
     absolute offset)) and ``sizes`` (type -> (block size, bytes per block))."""
 
-    def __init__(self, reader: Any, size: int, file: str):
-        self._reader, self._size, self._file = reader, size, file
+    def __init__(self, reader: Any):
+        self._reader, self._size, self._file = reader, reader.size, reader.path
+        file, size = self._file, self._size
         self._at, self._buffer, self._buffer_at = 0, b"", 0
         self._window = 64 << 10  # read ahead: 64 KiB first (over HTTP, most headers' whole), doubling to 4 MiB
         if self._take(4) != MAGIC:

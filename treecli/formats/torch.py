@@ -209,11 +209,11 @@ class TorchFormat(Format):
         return checkpoint
 
 
-def open_source(source: Any, size: int) -> Checkpoint:
-    """A torch.save file in a byte source of ``size`` bytes (an HTTP or bucket object)."""
+def open_source(source: Any) -> Checkpoint:
+    """A torch.save file in a byte source of known ``size`` (an HTTP or bucket object)."""
     checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=source.path)
     checkpoint._closers.append(source.close)
-    _fill(checkpoint, source_items(source, size))
+    _fill(checkpoint, source_items(source))
     return checkpoint
 
 
@@ -240,18 +240,18 @@ def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
         file_identity = identity(os.fstat(f.fileno()))
     reader = FileReader(str(path), file_identity)
     checkpoint._closers.append(reader.close)
-    return source_items(reader, file_identity[2])
+    return source_items(reader)
 
 
-def source_items(source: Any, size: int) -> list[tuple[str, Any]]:
-    """The items of a torch.save file in a byte source of ``size`` bytes (local or remote),
+def source_items(source: Any) -> list[tuple[str, Any]]:
+    """The items of a torch.save file in a byte source of known ``size`` (local or remote),
     its leaves lazy byte ranges of it."""
     import numpy as np
 
-    head = np.empty(min(size, len(_LEGACY_MAGIC)), np.uint8)
+    head = np.empty(min(source.size, len(_LEGACY_MAGIC)), np.uint8)
     source.read_into(head, 0)
     legacy = head.tobytes() == _LEGACY_MAGIC
-    obj, places = _read_legacy(source, size) if legacy else read_zip(source, (0, size))
+    obj, places = _read_legacy(source) if legacy else read_zip(source, (0, source.size))
     return items_of(obj, places, source, source.path)
 
 
@@ -282,7 +282,7 @@ def open_folder(folder: Any, url: str) -> Checkpoint | None:
         if reader.size is None:
             raise FormatError("its size is not in the bucket's answers; copy the checkpoint here first",
                               file=f"{url}/{name}")
-        return source_items(reader, reader.size)
+        return source_items(reader)
 
     text = folder.text(_INDEX)
     if text is not None:
@@ -359,11 +359,11 @@ def read_zip(source: Any, window: tuple[int, int]) -> tuple[Any, dict[str, tuple
     return obj, places
 
 
-def _read_legacy(reader: Any, size: int) -> tuple[Any, dict[str, tuple[int, int]]]:
+def _read_legacy(reader: Any) -> tuple[Any, dict[str, tuple[int, int]]]:
     """The same from a legacy stream: its pickles, then each storage's count and bytes."""
     import numpy as np
 
-    file = reader.path
+    file, size = reader.path, reader.size
     head = np.empty(min(size, MAX_PICKLE_BYTES), np.uint8)
     reader.read_into(head, 0)
     data = head.tobytes()
