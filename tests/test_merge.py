@@ -129,7 +129,14 @@ def test_consensus_methods_match_the_reference_with_zeros_ties_and_any_weights(d
     else:
         keeps = [_merge.dare_keep(3, "w", i, 0, size, density) for i in range(count)]
         want = reference(base, ms, weights, keeps=keeps, rescale_by=density, consensus=True, normalize=normalize)
-    assert bits(merged["w"]) == bits(want)
+    if method == "ties" or density in (0.5, 1.0):  # exact arithmetic on these values: the same bits
+        assert bits(merged["w"]) == bits(want)
+    else:  # d / 0.9 is rounded, and the elected side is found as (total ± Σ|wd|) / 2, not summed
+        # directly: equal to within float64's rounding (a cancellation to 0 may leave 1e-16), or
+        # one step of the output dtype where that rounding straddles one of its halfway points
+        got, exact = np.asarray(merged["w"], np.float64), want.astype(np.float64)
+        one_step = np.abs(np.spacing(want)).astype(np.float64)
+        assert np.all(np.abs(got - exact) <= np.maximum(one_step, 1e-13))
 
 
 def test_ties_trims_exactly_k_across_blocks_and_ties_among_equal_magnitudes():
