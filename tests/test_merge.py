@@ -324,13 +324,13 @@ def test_rules_scope_parameters_to_subtrees():
     assert bits(sl["mlp"]["w"]) == bits(ms[0]) and bits(sl["attn"]["w"]) == bits(base)
 
 
-def test_empty_leaves_merge_and_a_density_that_keeps_nothing_is_refused():
+def test_empty_leaves_merge_and_a_density_keeps_at_least_one_element_as_mergekit():
     base = {"e": np.zeros((0, 4), np.float32), "s": np.zeros((), np.float32)}
     a = {"e": np.zeros((0, 4), np.float32), "s": np.ones((), np.float32)}
     merged, _ = treecli.merge([a], "ties", base=base, density=["1", "e=0.5"])
     assert np.asarray(merged["e"]).shape == (0, 4) and float(np.asarray(merged["s"])) == 1.0
-    with pytest.raises(treecli.UsageError, match="keeps no element"):
-        treecli.merge([a], "ties", base=base, density=0.5)
+    merged, _ = treecli.merge([a], "ties", base=base, density=0.5)  # int(0.5 * 1) = 0 elements: one kept
+    assert float(np.asarray(merged["s"])) == 1.0
 
 
 def test_integer_leaves_follow_averages_rules():
@@ -351,10 +351,11 @@ def test_integer_leaves_follow_averages_rules():
     (lambda a, b, base: treecli.merge([a], "ties", base=base, density=["w=0.5", "*=0.3"]), "two rules"),
     (lambda a, b, base: treecli.merge([a, b], "ties"), "base"),
     (lambda a, b, base: treecli.merge([a], "slerp", base=base), "t"),
-    (lambda a, b, base: treecli.merge([a], "task_arithmetic", base=base, density=0.5), "ties and dare"),
+    (lambda a, b, base: treecli.merge([a], "task_arithmetic", base=base, density=0.5),
+     "density is not a parameter of task_arithmetic (it takes lambda)"),
     (lambda a, b, base: treecli.merge([a, b], "median", base=base), "unknown merge method"),
-    (lambda a, b, base: treecli.merge([a], "slerp", base=base, t=0.5, density=0.5), "task methods"),
-    (lambda a, b, base: treecli.merge([a], "ties", base=base, t=0.5), "slerp's"),
+    (lambda a, b, base: treecli.merge([a], "slerp", base=base, t=0.5, density=0.5), "density is not a parameter of slerp (it takes t)"),
+    (lambda a, b, base: treecli.merge([a], "ties", base=base, t=0.5), "t is not a parameter of ties (it takes lambda, density)"),
     (lambda a, b, base: treecli.merge([a], "ties", base={"w": np.zeros(3, np.float64)}), "differ"),
 ])
 def test_refusals(call, fragment):
@@ -409,5 +410,5 @@ def test_the_rescale_flag_names_the_choice(cli, tmp_path):
     assert_clean_error(cli(*args, "-o", tmp_path / "x.safetensors", "--rescale", "l2"),
                        "--rescale 'l2': choose one of l1, density, none")
     assert_clean_error(cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors",
-                           tmp_path / "a.safetensors", "--rescale", "none", "-o", tmp_path / "t.safetensors"),
+                           tmp_path / "a.safetensors", "--rescale", "density", "-o", tmp_path / "t.safetensors"),
                        "is DARE's")

@@ -190,6 +190,48 @@ def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype
     return _leaf.ComputedLeaf(leaves[0].shape, out_np, fill=fill_chunk, inputs=leaves)
 
 
+def cast_leaf(source: _leaf.ArrayLeaf, dtype_name: str, keypath: str, warn: Callable[[str], None]
+              ) -> _leaf.ComputedLeaf:
+    """A computed leaf: ``source`` cast to ``dtype_name``; finite values that overflow to inf
+    are counted and said through ``warn`` (one line) when the last chunk is read."""
+
+    check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
+    overflowed = [0]
+    lock = threading.Lock()
+    # elements per scratch buffer, for the source and for the output's bits
+    step = max(1, SUB_CHUNK * 8 // max(source.itemsize, _dtypes.itemsize(dtype_name)))
+
+    def fill_part(start: int, stop: int, out) -> None:
+        # The source is read a scratch buffer at a time and cast straight into the output;
+        # overflow is looked for in the output (Inf or NaN) and only then counted against
+        # the source (finite there): no float64 copies.
+        import numpy as np  # (when data is computed: planning and --dry-run go without NumPy)
+
+        with scratch_buffers(3) as (raw, flags, work):
+            for s in range(start, stop, step):
+                e = min(stop, s + step)
+                chunk, cast = raw.view(source.dtype)[: e - s], out[s - start : e - start]
+                source.read_into(s, e, chunk)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.copyto(cast, chunk, casting="unsafe")
+                if check:
+                    infinite = _dtypes.nonfinite(cast, flags.view(bool)[: e - s], work)
+                    if infinite.any():
+                        infinite &= np.isfinite(chunk)
+                        with lock:
+                            overflowed[0] += int(np.count_nonzero(infinite))
+
+    def fill(start: int, stop: int, out) -> None:
+        # On two threads: the writer, on a third, mostly waits for the cast.
+        stream.on_two_threads(fill_part, start, stop, out, step)
+        if check and stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
+            n = overflowed[0]
+            warn(f"{keypath}: {counted(n, 'value')} {'falls' if n == 1 else 'fall'} outside "
+                                   f"{dtype_name}'s range and became inf")
+
+    return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill, inputs=[source])
+
+
 _scratch = threading.local()
 
 

@@ -10,12 +10,12 @@ a ``@file.npy`` value's header; values are computed when written.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from treecli import _dtypes, _errors, _keypath, _leaf, _tree
+from treecli._combine import cast_leaf
 from treecli._errors import KeyPathError, TreecliError, UsageError, counted
 from treecli._keypath import format_keypath
 
@@ -211,7 +211,7 @@ def _from_npy(path: Path, old, edits, keypath, report):
                          keypath=keypath)
     if array.dtype_name == old_leaf.dtype_name:
         return array
-    return cast_leaf(array, old_leaf.dtype_name, keypath, report)
+    return cast_leaf(array, old_leaf.dtype_name, keypath, report.warnings.append)
 
 
 # --- cast and scale -------------------------------------------------------------------------
@@ -226,51 +226,8 @@ def _cast(leaves, text, what, report):
         leaf = _leaf.as_leaf(old)
         if leaf.dtype_name == dtype_name:
             continue
-        leaves[keypath] = cast_leaf(leaf, dtype_name, format_keypath(keypath), report)
+        leaves[keypath] = cast_leaf(leaf, dtype_name, format_keypath(keypath), report.warnings.append)
         what.setdefault(keypath, []).append(f"cast to {dtype_name}")
-
-
-def cast_leaf(source, dtype_name, keypath, report):
-    """A computed leaf: ``source`` cast to ``dtype_name``; finite values that overflow to inf
-    are counted and reported in ``report.warnings`` when the last chunk is read."""
-    from treecli._combine import SUB_CHUNK, scratch_buffers
-    from treecli._bytes import stream
-
-    check = _dtypes.is_float(dtype_name) and _dtypes.is_float(source.dtype_name)
-    overflowed = [0]
-    lock = threading.Lock()
-    # elements per scratch buffer, for the source and for the output's bits
-    step = max(1, SUB_CHUNK * 8 // max(source.itemsize, _dtypes.itemsize(dtype_name)))
-
-    def fill_part(start: int, stop: int, out) -> None:
-        # The source is read a scratch buffer at a time and cast straight into the output;
-        # overflow is looked for in the output (Inf or NaN) and only then counted against
-        # the source (finite there): no float64 copies.
-        import numpy as np  # (when data is computed: planning and --dry-run go without NumPy)
-
-        with scratch_buffers(3) as (raw, flags, work):
-            for s in range(start, stop, step):
-                e = min(stop, s + step)
-                chunk, cast = raw.view(source.dtype)[: e - s], out[s - start : e - start]
-                source.read_into(s, e, chunk)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    np.copyto(cast, chunk, casting="unsafe")
-                if check:
-                    infinite = _dtypes.nonfinite(cast, flags.view(bool)[: e - s], work)
-                    if infinite.any():
-                        infinite &= np.isfinite(chunk)
-                        with lock:
-                            overflowed[0] += int(np.count_nonzero(infinite))
-
-    def fill(start: int, stop: int, out) -> None:
-        # On two threads: the writer, on a third, mostly waits for the cast.
-        stream.on_two_threads(fill_part, start, stop, out, step)
-        if check and stop == source.size and overflowed[0]:  # the last chunk: one line per leaf
-            n = overflowed[0]
-            report.warnings.append(f"{keypath}: {counted(n, 'value')} {'falls' if n == 1 else 'fall'} outside "
-                                   f"{dtype_name}'s range and became inf")
-
-    return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill, inputs=[source])
 
 
 def _scale(leaves, text, what, report):

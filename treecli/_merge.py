@@ -29,15 +29,14 @@ bytes whatever the chunk size or thread count.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from treecli import _combine, _keypath, _leaf, _tree
+from treecli import _combine, _keypath, _leaf, _methods, _tree
 from treecli._bytes import stream
 from treecli._combine import SUB_CHUNK, AverageReport
 from treecli._errors import KeyPathError, UsageError, option
@@ -50,10 +49,12 @@ SLERP_EPS = 1e-8
 
 @dataclass(frozen=True)
 class Method:
-    sparsify: str | None  # "magnitude" (TIES), "random" (DARE) or None
+    """A task-vector method: how it sparsifies each task vector, and its defaults."""
+
+    sparsify: str | None  # "magnitude" (TIES), "random" (DARE), "outliers" (breadcrumbs), "della" or None
     consensus: bool  # elect a sign per element
     normalize: bool  # divide by the sum of the (agreeing) weights
-    rescale: bool  # DARE: rescale what is kept (``merge``'s ``rescale`` says how)
+    rescale: bool  # rescale what is kept to the task vector's L1 norm (``merge``'s ``rescale`` says how)
 
 
 TASK_METHODS = {
@@ -61,9 +62,81 @@ TASK_METHODS = {
     "ties": Method("magnitude", True, True, False),
     "dare_ties": Method("random", True, False, True),
     "dare_linear": Method("random", False, False, True),
+    "breadcrumbs": Method("outliers", False, False, False),
+    "breadcrumbs_ties": Method("outliers", True, False, False),
+    "della": Method("della", True, True, True),
+    "della_linear": Method("della", False, False, True),
 }
-METHODS = ("linear", *TASK_METHODS, "slerp")
-RESCALES = ("l1", "density", "none")  # DARE's rescale of what it keeps: mergekit's L1 norm, 1/density, none
+RESCALES = ("l1", "density", "none")  # the rescale of what is kept: mergekit's L1 norm, 1/density, none
+REQUIRED = object()  # a parameter without a default
+
+
+@dataclass(frozen=True)
+class Param:
+    """One of a method's parameters, as mergekit names it: one value for the leaf, or one
+    per model besides the base (``per_model``)."""
+
+    name: str
+    default: Any
+    per_model: bool = False
+    kind: type = float
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method takes: a base (``required``, ``optional``, or ``none``: a base given
+    is one more model, as mergekit's methods that ignore it), how many models besides the
+    base, and its parameters."""
+
+    base: str
+    models: tuple[int, int | None]
+    params: tuple[Param, ...] = ()
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+def _task_params(spec: Method) -> tuple[Param, ...]:
+    params = [Param("weight", 1.0, True), Param("lambda", 1.0), Param("normalize", spec.normalize, kind=bool),
+              Param("int8_mask", False, kind=bool)]
+    if spec.sparsify:
+        params += [Param("density", 1.0, True), Param("rescale", spec.rescale, kind=bool)]
+    if spec.sparsify == "outliers":
+        params.append(Param("gamma", 0.01, True))
+    if spec.sparsify == "della":
+        params.append(Param("epsilon", 0.15, True))
+    return tuple(params)
+
+
+SPECS: dict[str, MethodSpec] = {
+    "linear": MethodSpec("none", (1, None), (Param("weight", 1.0, True), Param("normalize", True, kind=bool))),
+    **{name: MethodSpec("required", (1, None), _task_params(spec)) for name, spec in TASK_METHODS.items()},
+    "slerp": MethodSpec("required", (1, 1), (Param("t", REQUIRED),)),
+    "nuslerp": MethodSpec("optional", (2, 2), (Param("weight", 1.0, True), Param("nuslerp_row_wise", False, kind=bool),
+                                               Param("nuslerp_flatten", True, kind=bool))),
+    "multislerp": MethodSpec("optional", (1, None), (Param("weight", 1.0, True),
+                                                     Param("normalize_weights", True, kind=bool), Param("eps", 1e-8))),
+    "karcher": MethodSpec("none", (1, None), (Param("max_iter", 10, kind=int), Param("tol", 1e-5))),
+    "model_stock": MethodSpec("required", (2, None), (Param("filter_wise", False, kind=bool),)),
+    "nearswap": MethodSpec("required", (1, 1), (Param("t", REQUIRED),)),
+    "ram": MethodSpec("required", (1, None), (Param("epsilon", 1e-5),)),
+    "ramplus_tl": MethodSpec("required", (1, None), (Param("r", 0.1), Param("alpha", 0.2), Param("epsilon", 1e-5))),
+    "sce": MethodSpec("required", (1, None), (Param("select_topk", 1.0), Param("int8_mask", False, kind=bool))),
+    "arcee_fusion": MethodSpec("required", (1, 1)),
+    "passthrough": MethodSpec("none", (1, 1), (Param("scale", None, True),)),
+}
+METHODS = tuple(SPECS)
+# Every parameter name some method takes (a config naming another is a typo).
+PARAMETERS = sorted({p.name for spec in SPECS.values() for p in spec.params})
+
+
+@dataclass
+class LeafSettings:
+    """One output leaf's parameters: the method's shared ones, and one dict per model
+    besides the base (in the order of the models)."""
+
+    shared: dict[str, Any]
+    models: list[dict[str, Any]]
 
 
 class Scoped:
@@ -71,7 +144,7 @@ class Scoped:
     for the leaves under a pattern (``--density 0.5 --density 'model.layers.*.mlp.**=0.7'``)."""
 
     def __init__(self, flag: str, rules: list[str] | float | None, default: float | None,
-                 check: Callable[[float], bool], requirement: str):
+                 check: Callable[[float], bool] = math.isfinite, requirement: str = "a finite number"):
         self.flag = flag
         self.default = default
         self.rules: list[tuple[str, str, Any, float]] = []  # (rule, pattern, parsed pattern, value)
@@ -109,6 +182,14 @@ class Scoped:
         return hits[0][1] if hits else self.default
 
 
+# The flags of ``merge`` that take rules, by the parameter they set (``lambda_``: a Python keyword).
+_RULE_FLAGS = {"density": "density", "lambda": "lambda_", "t": "t", "gamma": "gamma", "epsilon": "epsilon"}
+
+
+_FLAG_CHECKS = {"density": (lambda v: 0 < v <= 1, "a density must lie in (0, 1]"),
+                "gamma": (lambda v: 0 <= v <= 1, "gamma must lie in [0, 1]")}
+
+
 def merge(
     trees: list[Any],
     method: str,
@@ -118,34 +199,43 @@ def merge(
     density: list[str] | float | None = None,
     lambda_: list[str] | float | None = None,
     t: list[str] | float | None = None,
+    gamma: list[str] | float | None = None,
+    epsilon: list[str] | float | None = None,
     seed: int = 0,
-    rescale: str = "l1",
+    rescale: str | None = None,
     normalize: bool | None = None,
+    parameters: dict[str, Any] | None = None,
     names: list[str] | None = None,
     base_name: str = "base",
     non_float: str = "last",
 ) -> tuple[Any, AverageReport]:
-    """Merge trees with mergekit's methods, streaming: see the module's docstring.
+    """Merge trees with mergekit's methods, streaming: see the module's docstring and
+    ``SPECS`` for each method's parameters (a mergekit config: ``treecli.merge_config``).
 
     Args:
         trees: the models (lazy leaves, NumPy or JAX arrays).
-        method: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``
-            or ``slerp``.
+        method: one of ``METHODS``: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``,
+            ``dare_ties``, ``breadcrumbs``, ``breadcrumbs_ties``, ``della``, ``della_linear``,
+            ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``, ``model_stock``, ``nearswap``,
+            ``ram``, ``ramplus_tl``, ``sce``, ``arcee_fusion`` or ``passthrough``.
         base: the base model; required by the task methods. For ``slerp`` the base
             and one model, or two models without a base (the first is ``t = 0``).
         weights: one per model (default 1 each).
-        density, lambda_, t: a number, or rules (``"0.5"``, ``"model.layers.*=0.7"``).
-        seed: DARE's random seed.
-        rescale: how DARE rescales what it keeps of a task vector: ``"l1"`` (mergekit's:
-            to the vector's L1 norm over the leaf), ``"density"`` (by ``1/density``) or ``"none"``.
+        density, lambda_, t, gamma, epsilon: a number, or rules (``"0.5"``, ``"model.layers.*=0.7"``).
+        seed: the random seed of DARE and DELLA.
+        rescale: how what a sparsifying method keeps is rescaled: ``"l1"`` (mergekit's:
+            to the task vector's L1 norm over the leaf), ``"density"`` (by ``1/density``;
+            DARE only) or ``"none"``; default the method's own (``l1`` for DARE and DELLA).
         normalize: divide by the summed weights (default: the method's own).
+        parameters: the method's other parameters by mergekit's names (``{"filter_wise": True}``).
         non_float: as ``average``'s.
 
     Returns:
         The merged tree (computed leaves) and a report that fills in while it is read.
     """
-    if method not in METHODS:
+    if method not in SPECS:
         raise UsageError(f"unknown merge method {method!r}; choose one of {', '.join(METHODS)}")
+    spec = SPECS[method]
     names = names or [f"model {i}" for i in range(len(trees))]
     weights = [1.0] * len(trees) if weights is None else [float(w) for w in weights]
     if len(weights) != len(trees):
@@ -155,73 +245,167 @@ def merge(
             raise UsageError(f"the linear method takes no base; average the models ({option('base', 'BASE')} "
                              "is for the task methods and slerp)")
         return _combine.linear(list(trees), weights, names=names,
-                                normalize=True if normalize is None else normalize, non_float=non_float)
+                               normalize=True if normalize is None else normalize, non_float=non_float)
+    if method == "slerp" and base is None and trees:  # two models: the first is t = 0
+        base, trees, base_name, names, weights = trees[0], trees[1:], names[0], names[1:], weights[1:]
+    if spec.base == "none" and base is not None:
+        trees, names, weights = [base, *trees], [base_name, *names], [1.0, *weights]
+        base = None
+    check_inputs(method, base is not None, len(trees))
+    given = {"density": density, "lambda": lambda_, "t": t, "gamma": gamma, "epsilon": epsilon}
+    rules = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if spec.param(name) is None:
+            takes = [p.name for p in spec.params if p.name in _RULE_FLAGS]
+            raise UsageError(f"{option(_RULE_FLAGS[name], value)}: {name} is not a parameter of {method}"
+                             + (f" (it takes {', '.join(takes)})" if takes else ""))
+        rules[name] = Scoped(_RULE_FLAGS[name], value, None, *_FLAG_CHECKS.get(name, ()))
+    extra = dict(parameters or {})
+    for name in extra:
+        if spec.param(name) is None:
+            raise UsageError(f"{method} has no parameter {name!r}"
+                             + (f"; it takes {', '.join(p.name for p in spec.params)}" if spec.params else ""))
+    if rescale is not None:
+        if spec.param("rescale") is None:
+            raise UsageError(f"{option('rescale', rescale)} is for the methods that sparsify task vectors; "
+                             f"{method} keeps what it keeps as it is")
+        if rescale not in RESCALES:
+            raise UsageError(f"{option('rescale', rescale)}: choose one of {', '.join(RESCALES)}")
+        if rescale == "density" and TASK_METHODS[method].sparsify != "random":
+            raise UsageError(f"{option('rescale', rescale)} is DARE's; {method} rescales by the L1 norm or not at all")
+        extra["rescale"] = rescale
+    if normalize is not None:
+        if spec.param("normalize") is None:
+            raise UsageError(f"{option('normalize', normalize)}: {method} has nothing to normalize")
+        extra["normalize"] = normalize
+
+    def settings(keypath: tuple) -> LeafSettings:
+        shared: dict[str, Any] = {}
+        models: list[dict[str, Any]] = [{} for _ in trees]
+        for p in spec.params:
+            if p.name in rules:
+                value = rules[p.name].value(keypath)
+            elif p.name == "weight":
+                value = None
+            else:
+                value = extra.get(p.name, p.default)
+            if p.per_model:
+                for i, m in enumerate(models):
+                    m[p.name] = weights[i] if p.name == "weight" else p.default if value is None else value
+            else:
+                shared[p.name] = p.default if value is None else value
+        return LeafSettings(shared, models)
+
+    return merge_with(method, base, list(trees), settings, names=names, base_name=base_name, seed=seed,
+                      non_float=non_float, checks=[functools.partial(s.check_matches, (base or trees[0]))
+                                                   for s in rules.values()])
+
+
+def check_inputs(method: str, has_base: bool, models: int, where: str = "") -> None:
+    """A line naming what ``method`` needs when the inputs do not fit it."""
+    spec = SPECS[method]
+    if spec.base == "required" and not has_base:
+        raise UsageError(f"{method} needs a base model{where} (the task vectors are each model less the base): "
+                         f"give {option('base', 'BASE')}")
+    low, high = spec.models
+    if method == "slerp" and models + has_base != 2:
+        raise UsageError(f"slerp interpolates two models, the base (t = 0) and one other{where}; "
+                         f"{models + has_base} were given")
+    if models < low or (high is not None and models > high):
+        wanted = (f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}")
+        raise UsageError(f"{method} merges {wanted} model{'s' if (high or low) != 1 else ''}"
+                         f"{' besides the base' if spec.base != 'none' else ''}{where}; {models} were given")
+
+
+def merge_with(method: str, base: Any, trees: list[Any], settings: Callable[[tuple], LeafSettings], *,
+               names: list[str], base_name: str = "base", seed: int = 0, non_float: str = "last",
+               checks: Sequence[Callable[[], None]] = ()) -> tuple[Any, AverageReport]:
+    """Merge ``trees`` (and ``base``) leaf by leaf with each leaf's ``settings``: structures
+    compared and ``checks`` run before any data is read."""
+    inputs, input_names = ([base] if base is not None else []) + trees, ([base_name] if base is not None else []) + names
+
+    def merged(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> Any:
+        return leaf_merge(method, leaves, base is not None, settings(kp), seed, text, input_names, report)
+
+    return _combine.combine_inputs(inputs, input_names, non_float, merged, "merged", checks=checks)
+
+
+def leaf_merge(method: str, leaves: list[_leaf.ArrayLeaf], has_base: bool, settings: LeafSettings, seed: int,
+               keypath: str, names: list[str], report: AverageReport) -> _leaf.ArrayLeaf:
+    """One float leaf merged by ``method`` (``leaves``: the base first when ``has_base``)."""
+    shared, per_model = settings.shared, settings.models
+    for p in SPECS[method].params:
+        values = [m[p.name] for m in per_model] if p.per_model else [shared[p.name]]
+        if any(v is REQUIRED for v in values):
+            raise UsageError(f"{method} needs {option(_RULE_FLAGS.get(p.name, p.name), p.name.upper())} for this leaf",
+                             keypath=keypath)
+        if p.kind is float and any(v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))
+                                   for v in values):
+            raise UsageError(f"{p.name} must be a finite number, not {values}", keypath=keypath)
+    if leaves[0].size == 0:
+        return leaves[0]
+    weights = [m.get("weight", 1.0) for m in per_model]
+    if method == "linear":
+        total = math.fsum(weights)
+        if shared["normalize"]:
+            if total == 0:
+                raise UsageError("the weights sum to 0 and cannot be normalized", keypath=keypath)
+            weights = [w / total for w in weights]
+        convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
+        return _combine.averaged_leaf(leaves, weights, leaves[0].dtype_name, keypath, names, report, convex)
+    if method in TASK_METHODS:
+        return _task_leaf(leaves[0], leaves[1:], weights, TASK_METHODS[method], per_model, shared, seed,
+                          keypath, report)
     if method == "slerp":
-        models = ([base] if base is not None else []) + list(trees)
-        if len(models) != 2:
-            raise UsageError(f"slerp interpolates two models; {len(models)} were given")
-        if density is not None or lambda_ is not None:
-            raise UsageError(f"slerp takes {option('t', 'T')}; {option('density', 'D')} and "
-                             f"{option('lambda_', 'L')} are for the task methods")
-        ts = Scoped("t", t, None, lambda v: True, "a finite number")
-        if ts.default is None and not ts.rules:
-            raise UsageError(f"slerp needs {option('t', 'T')}: 0 gives the first model (the base), 1 the second")
-
-        models_names = ([base_name] if base is not None else []) + names
-
-        def interpolated(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport
-                         ) -> _leaf.ComputedLeaf:
-            return _slerp_leaf(leaves[0], leaves[1], ts.value(kp), text, models_names, report)
-
-        return _merge_leaves(models, models_names, non_float, interpolated, checked=[ts])
-    if base is None:
-        raise UsageError(f"{method} merges task vectors (model - base): give {option('base', 'BASE')}")
-    if not trees:
-        raise UsageError(f"{method} needs at least one model besides the base")
-    spec = TASK_METHODS[method]
-    if t is not None:
-        raise UsageError(f"{option('t', 'T')} is slerp's; {method} takes {option('density', 'D')} and "
-                         f"{option('lambda_', 'L')}")
-    if rescale not in RESCALES:
-        raise UsageError(f"{option('rescale', rescale)}: choose one of {', '.join(RESCALES)}")
-    if rescale != "l1" and not spec.rescale:
-        raise UsageError(f"{option('rescale', rescale)} is DARE's; {method} keeps what it keeps as it is")
-    spec = dataclasses.replace(spec, rescale=spec.rescale and rescale != "none")
-    rescale_to_l1 = rescale == "l1"
-    densities = Scoped("density", density, 1.0, lambda v: 0 < v <= 1, "a density must lie in (0, 1]")
-    lambdas = Scoped("lambda_", lambda_, 1.0, lambda v: True, "a finite number")
-    if spec.sparsify is None and density is not None:
-        raise UsageError(f"{method} keeps every element; {option('density', 'D')} is for ties and dare_*")
-    normalize = spec.normalize if normalize is None else normalize
-
-    def merged(kp: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> _leaf.ComputedLeaf:
-        return _task_leaf(leaves[0], leaves[1:], weights, spec, densities.value(kp), lambdas.value(kp),
-                          normalize, seed, text, report, rescale_to_l1)
-
-    return _merge_leaves([base, *trees], [base_name, *names], non_float, merged, checked=[densities, lambdas])
+        return _slerp_leaf(leaves[0], leaves[1], shared["t"], keypath, names, report)
+    if method == "nuslerp":
+        return _methods.nuslerp(leaves, has_base, weights, shared["nuslerp_row_wise"], shared["nuslerp_flatten"],
+                                keypath, names, report)
+    if method == "multislerp":
+        return _methods.multislerp(leaves, has_base, weights, shared["normalize_weights"], shared["eps"], keypath,
+                                   names, report)
+    if method == "karcher":
+        return _methods.karcher(leaves, int(shared["max_iter"]), shared["tol"], keypath, names, report)
+    if method == "model_stock":
+        return _methods.model_stock(leaves, shared["filter_wise"], keypath, names, report)
+    if method == "nearswap":
+        return _methods.nearswap(leaves, shared["t"], keypath, report)
+    if method in ("ram", "ramplus_tl"):
+        return _methods.ram(leaves, shared["epsilon"], keypath, report, plus=method == "ramplus_tl",
+                            r=shared.get("r", 0.1), alpha=shared.get("alpha", 0.2))
+    if method == "sce":
+        return _methods.sce(leaves, shared["select_topk"], keypath, report)
+    if method == "arcee_fusion":
+        return _methods.arcee_fusion(leaves, keypath, report)
+    assert method == "passthrough", method
+    scale = per_model[0]["scale"]
+    return leaves[0] if scale is None else _combine.averaged_leaf(leaves, [float(scale)], leaves[0].dtype_name,
+                                                                  keypath, names, report, convex=False)
 
 
-def _merge_leaves(trees: list[Any], names: list[str], non_float: str,
-                  merged: Callable[[tuple, str, list[_leaf.ArrayLeaf], AverageReport], Any], checked: list[Scoped]
-                  ) -> tuple[Any, AverageReport]:
-    """Compare structures before any data is read, then merge float leaves and copy the rest."""
-    return _combine.combine_inputs(trees, names, non_float, merged, "merged", checks=[functools.partial(s.check_matches, trees[0]) for s in checked])
-
-
-# --- task vectors: task arithmetic, TIES, DARE ---------------------------------------------------
+# --- task vectors: task arithmetic, TIES, DARE, breadcrumbs, DELLA ---------------------------------------------------
 
 
 def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: list[float], spec: Method,
-               density: float, scale: float, normalize: bool, seed: int, keypath: str,
-               report: AverageReport, rescale_to_l1: bool = True) -> _leaf.ComputedLeaf:
+               per_model: list[dict[str, Any]], shared: dict[str, Any], seed: int, keypath: str,
+               report: AverageReport) -> _leaf.ComputedLeaf:
     import numpy as np
 
-    sparse = spec.sparsify is not None and density < 1 and base.size > 0
-    if sparse and spec.sparsify == "magnitude" and int(density * base.size) == 0:  # mergekit refuses it too
-        raise UsageError(f"density {density} keeps no element of a leaf of {base.size}; raise it", keypath=keypath)
-    trims = Trims(base, models, density) if sparse and spec.sparsify == "magnitude" else None
-    l1 = _L1Rescale(base, models, density, seed, keypath) if sparse and spec.sparsify == "random" and \
-        spec.rescale and rescale_to_l1 else None
+    densities = [float(m.get("density", 1.0)) for m in per_model]
+    for density in densities:
+        if not 0 <= density <= 1:
+            raise UsageError(f"density {density:g}: a density must lie in [0, 1]", keypath=keypath)
+    scale, normalize = shared["lambda"], shared["normalize"]
+    rescale = shared.get("rescale", False)
+    rescale = {True: "l1", False: "none"}.get(rescale, rescale)  # (a config's booleans, or a named choice)
+    # mergekit leaves a task vector whole at a density of 1 (no rescale either)
+    sparse = [spec.sparsify is not None and d < 1 for d in densities]
+    keeps = _keeps(spec, base, models, per_model, densities, seed, keypath) if any(sparse) else None
+    l1 = _L1Rescale(base, models, keeps, sparse) if keeps is not None and rescale == "l1" else None
+    by_density = rescale == "density"
+    trims = keeps.trims if isinstance(keeps, _TopKeeps) and keeps.outliers is None else None
     in_dtype = base.dtype
     weight_sum = math.fsum(weights) if abs(math.fsum(weights)) >= 1e-8 else 1.0  # mergekit's guard
     # With equal weights the divisor is the weight times a count of agreeing models, kept in bytes.
@@ -234,26 +418,24 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
         # Memory bandwidth, not arithmetic, is the limit here: simple steps ran no faster on two
         # threads or two processes than on one, and the kernel gained 1.4x from its second thread.
         b, b64, d, total = space.base, space.base64, space.delta, space.total
-        # Where every kept delta is nonzero (a TIES threshold above 0, and a weight that cannot
-        # round one to 0), the negative ones are counted as the kept less the positive ones.
-        negatives_from_kept = (divisor == "counts" and trims is not None and trims.keeps_only_nonzero()
-                               and abs(weights[0]) >= 2.0**-900)
+        # Where every kept delta is nonzero (a TIES threshold above 0 in every model, and a weight
+        # that cannot round one to 0), the negative ones are counted as the kept less the positive ones.
+        negatives_from_kept = (divisor == "counts" and trims is not None and all(sparse)
+                               and trims.keeps_only_nonzero() and abs(weights[0]) >= 2.0**-900)
         base.read_into(start, stop, b)
         np.copyto(b64, b)
-        base_key = key_base(b, space) if trims is not None else None
+        base_key = key_base(b, space) if keeps is not None and keeps.needs_keys else None
         for i, (model, w) in enumerate(zip(models, weights)):
             m = space.model
             model.read_into(start, stop, m)
             np.copyto(d, m)  # (widening first, then subtracting, beat one mixed-type subtract: 61 vs 76 µs)
             d -= b64  # exact: the difference of two floats of up to 32 bits
-            if trims is not None:
-                d *= trims.keep(i, start, stop, magnitude_keys(m, base_key, space), space.keep)
-            elif sparse:
-                d *= dare_keep(seed, keypath, i, start, stop, density, out=space.keep, work=space.coins)
+            if sparse[i]:
+                d *= keeps.mask(i, start, stop, space, base_key)
                 if l1 is not None:
                     d *= l1.factors()[i]
-                elif spec.rescale:
-                    d /= density
+                elif by_density:
+                    d /= densities[i]
             if w != 1:
                 d *= w
             if i == 0:
@@ -285,8 +467,8 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
                 block(s, e, out[s - start : e - start], Space(buffers, e - s, in_dtype))
 
     def fill_chunk(start: int, stop: int, out) -> None:
-        if trims is not None:
-            trims.select()  # here, on two threads, before any block waits for it
+        if isinstance(keeps, _TopKeeps):
+            keeps.select()  # here, on two threads, before any block waits for it
         stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
     return _leaf.ComputedLeaf(base.shape, in_dtype, fill=fill_chunk, inputs=[base, *models])
@@ -367,14 +549,116 @@ def _elected(space: Space, weight: float | None, normalize: bool, negatives_from
     return total
 
 
-class _L1Rescale:
-    """DARE's rescale as mergekit's (``RescaleNorm.l1``): each task vector's kept elements
-    scaled by ``‖d‖₁ / ‖d ⊙ keep‖₁`` over the whole leaf (1 where ``‖d‖₁`` is below 1e-7 or
-    nothing is kept), found on first use by one pass over the inputs, in float64."""
+# --- what each sparsifying method keeps of a task vector -------------------------------------------
 
-    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], density: float, seed: int,
-                 keypath: str):
-        self._base, self._models, self._density, self._seed, self._keypath = base, models, density, seed, keypath
+
+def _keeps(spec: Method, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], per_model: list[dict[str, Any]],
+           densities: list[float], seed: int, keypath: str):
+    size = base.size
+    if spec.sparsify == "magnitude":  # TIES: the k largest magnitudes, at least one (as mergekit)
+        return _TopKeeps(Trims(base, models, [size if d >= 1 else max(1, int(d * size)) if d > 0 else 0
+                                              for d in densities]))
+    if spec.sparsify == "outliers":
+        # Breadcrumbs: of the magnitudes in ascending order, mergekit keeps [n_bot, n_bot + target)
+        # with n_bot = size - target - n_top (n_top = int(gamma · size), fewer where the target needs
+        # them): the largest size - n_bot less the largest size - n_bot - target.
+        uppers, outliers = [], []
+        for d, m in zip(densities, per_model):
+            gamma = float(m.get("gamma", 0.01))
+            if not 0 <= gamma <= 1:
+                raise UsageError(f"gamma {gamma:g}: the fraction of outliers must lie in [0, 1]", keypath=keypath)
+            target = int(d * size) if d < 1 else size
+            bottom = max(0, size - target - int(gamma * size))
+            uppers.append(size - bottom)
+            outliers.append(size - bottom - target if d < 1 else 0)
+        return _TopKeeps(Trims(base, models, uppers), Trims(base, models, outliers))
+    if spec.sparsify == "della":
+        epsilons = [float(m.get("epsilon", 0.15)) for m in per_model]
+        for d, e in zip(densities, epsilons):
+            if d < 1 and (d + e >= 1 or d - e <= 0):
+                raise UsageError(f"epsilon {e:g} with density {d:g}: density ± epsilon must lie in (0, 1)",
+                                 keypath=keypath)
+        return _DellaKeeps(base, models, densities, epsilons, seed, keypath)
+    return _DareKeeps(densities, seed, keypath)
+
+
+class _TopKeeps:
+    """TIES' keeps (the ``k`` largest magnitudes of each task vector) or, with ``outliers``,
+    breadcrumbs' (those less the largest few), by the streaming exact selection."""
+
+    needs_keys = True
+
+    def __init__(self, trims: Trims, outliers: Trims | None = None):
+        self.trims, self.outliers = trims, outliers
+
+    def select(self) -> None:
+        self.trims.select()
+        if self.outliers is not None:
+            self.outliers.select()
+
+    def mask(self, i: int, start: int, stop: int, space: Space, base_key):
+        keys = magnitude_keys(space.model, base_key, space)
+        keep = self.trims.keep(i, start, stop, keys, space.keep)
+        if self.outliers is not None:
+            keep &= ~self.outliers.keep(i, start, stop, keys, space.flag)
+        return keep
+
+
+class _DareKeeps:
+    """DARE's keeps: each element with probability ``density``, by ``dare_keep``'s coins."""
+
+    needs_keys = False
+
+    def __init__(self, densities: list[float], seed: int, keypath: str):
+        self._densities, self._seed, self._keypath = densities, seed, keypath
+
+    def mask(self, i: int, start: int, stop: int, space: Space, base_key):
+        return dare_keep(self._seed, self._keypath, i, start, stop, self._densities[i], out=space.keep,
+                         work=space.coins)
+
+
+class _DellaKeeps:
+    """DELLA's keeps (mergekit's ``della_magprune``): along each row (the second axis; a
+    1-D leaf is one row) an element is kept with probability ``density − epsilon`` for the
+    smallest magnitude rising evenly to ``density + epsilon`` for the largest, by the same
+    coins as DARE's. A block is widened to whole rows to rank them."""
+
+    needs_keys = False
+
+    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], densities: list[float],
+                 epsilons: list[float], seed: int, keypath: str):
+        self._base, self._models = base, models
+        self._densities, self._epsilons, self._seed, self._keypath = densities, epsilons, seed, keypath
+        shape = base.shape
+        self._unit = math.prod(shape[1:]) if len(shape) >= 2 else max(1, base.size)  # one index of axis 0
+        self._row = shape[1] if len(shape) >= 2 else max(1, base.size)  # the ranked axis' length
+
+    def mask(self, i: int, start: int, stop: int, space: Space, base_key):
+        import numpy as np
+
+        unit = self._unit
+        lo, hi = start // unit * unit, min(self._base.size, -(-stop // unit) * unit)
+        b, m = np.empty(hi - lo, self._base.dtype), np.empty(hi - lo, self._models[i].dtype)
+        self._base.read_into(lo, hi, b)
+        self._models[i].read_into(lo, hi, m)
+        magnitude = np.abs(m.astype(np.float64) - b).reshape(-1, self._row, unit // self._row)
+        ranks = np.argsort(np.argsort(magnitude, axis=1, kind="stable"), axis=1, kind="stable")
+        spread = ranks / (self._row - 1) if self._row > 1 else np.zeros(ranks.shape)
+        density, epsilon = self._densities[i], self._epsilons[i]
+        probability = ((density - epsilon) + spread * (2 * epsilon)).reshape(-1)
+        coins = coin_bits(self._seed, self._keypath, i, lo, hi)
+        keep = coins[start - lo : stop - lo] < probability[start - lo : stop - lo] * 2.0**32
+        space.keep[...] = keep
+        return space.keep
+
+
+class _L1Rescale:
+    """The rescale of what a sparsifying method keeps as mergekit's (``RescaleNorm.l1``):
+    each task vector's kept elements scaled by ``‖d‖₁ / ‖d ⊙ keep‖₁`` over the whole leaf (1
+    where either is below 1e-7), found on first use by one pass over the inputs, in float64."""
+
+    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], keeps: Any, sparse: list[bool]):
+        self._base, self._models, self._keeps, self._sparse = base, models, keeps, sparse
         self._lock = threading.Lock()
         self._factors: list[float] | None = None
 
@@ -389,36 +673,38 @@ class _L1Rescale:
         import numpy as np
 
         sums = [[0.0, 0.0] for _ in self._models]  # per model: ‖d‖₁, ‖d ⊙ keep‖₁
+        if isinstance(self._keeps, _TopKeeps):
+            self._keeps.select()
         # One set of buffers for the pass (fresh memory per block cost more than the arithmetic)
-        raw, b, d = np.empty(SUB_CHUNK, self._base.dtype), np.empty(SUB_CHUNK), np.empty(SUB_CHUNK)
-        keep, coins = np.empty(SUB_CHUNK, bool), [np.empty(SUB_CHUNK // 2 + 2, np.uint64) for _ in range(2)]
-        for start in range(0, self._base.size, SUB_CHUNK):
-            stop = min(self._base.size, start + SUB_CHUNK)
-            n = stop - start
-            self._base.read_into(start, stop, raw[:n])
-            np.copyto(b[:n], raw[:n])
-            for i, model in enumerate(self._models):
-                model.read_into(start, stop, raw[:n])
-                np.copyto(d[:n], raw[:n])
-                d[:n] -= b[:n]
-                np.abs(d[:n], out=d[:n])
-                dare_keep(self._seed, self._keypath, i, start, stop, self._density, out=keep[:n], work=coins)
-                sums[i][0] += float(d[:n].sum())
-                d[:n] *= keep[:n]  # (in place: a dot with the bool mask would cast it to a new array)
-                sums[i][1] += float(d[:n].sum())
-        return [before / after if before >= 1e-7 and after > 0 else 1.0 for before, after in sums]
+        with _combine.scratch_buffers(Space.BUFFERS) as buffers:
+            for start in range(0, self._base.size, SUB_CHUNK):
+                stop = min(self._base.size, start + SUB_CHUNK)
+                space = Space(buffers, stop - start, self._base.dtype)
+                self._base.read_into(start, stop, space.base)
+                np.copyto(space.base64, space.base)
+                base_key = key_base(space.base, space) if self._keeps.needs_keys else None
+                d = space.delta
+                for i, model in enumerate(self._models):
+                    if not self._sparse[i]:
+                        continue
+                    model.read_into(start, stop, space.model)
+                    np.copyto(d, space.model)
+                    d -= space.base64
+                    keep = self._keeps.mask(i, start, stop, space, base_key)
+                    np.abs(d, out=d)
+                    sums[i][0] += float(d.sum())
+                    d *= keep  # (in place: a dot with the bool mask would cast it to a new array)
+                    sums[i][1] += float(d.sum())
+        return [before / after if before >= 1e-7 and after >= 1e-7 else 1.0 for before, after in sums]
 
 
-def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float, *, out=None,
-              work=None):
-    """DARE's keep mask for elements ``[start, stop)`` of one model's task vector (into
-    ``out`` if given, working in ``work``: two uint64 arrays of ``(stop - start) / 2 + 1``
-    words or more).
+def coin_bits(seed: int, keypath: str, model: int, start: int, stop: int, work=None):
+    """32 random bits for each element ``[start, stop)`` of one model's task vector (in
+    ``work`` if given: two uint64 arrays of ``(stop - start) / 2 + 1`` words or more).
 
     Counter-based: elements ``2j`` and ``2j + 1`` take the low and high 32 bits of
     SplitMix64's output for the state ``key + (j + 1) * golden``, the key hashed from
-    (seed, key path, model), so no chunking or thread count changes a coin. An element
-    is kept where its 32 bits are below ``density * 2**32``."""
+    (seed, key path, model), so no chunking or thread count changes a coin."""
     import numpy as np
 
     key = int.from_bytes(hashlib.blake2b(f"{seed}\0{keypath}\0{model}".encode(), digest_size=8).digest(), "little")
@@ -434,7 +720,17 @@ def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, densit
             z ^= shifted
             if factor:
                 z *= np.uint64(factor)
-    coins = z.view("<u4")[start % 2 : start % 2 + stop - start]
+    return z.view("<u4")[start % 2 : start % 2 + stop - start]
+
+
+def dare_keep(seed: int, keypath: str, model: int, start: int, stop: int, density: float, *, out=None,
+              work=None):
+    """DARE's keep mask for elements ``[start, stop)`` of one model's task vector (into
+    ``out`` if given, working in ``work``, as ``coin_bits``'): an element is kept where its
+    32 bits are below ``density * 2**32``."""
+    import numpy as np
+
+    coins = coin_bits(seed, keypath, model, start, stop, work)
     return np.less(coins, np.uint32(min(2**32 - 1, int(density * 2**32))), out=out)
 
 

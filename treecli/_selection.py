@@ -88,9 +88,13 @@ class Trims:
     # in blocks four times larger it ran 1.5-2x faster (0.72-0.87 s against 1.26-1.7 s over 4 GiB).
     BLOCK = 4 * SUB_CHUNK
 
-    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], density: float):
-        self._base, self._models = base, models
-        self._k = int(density * base.size)
+    def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], ks: list[int]):
+        """``ks``: how many elements each model keeps (0 keeps none, the leaf's size all)."""
+        self._base, self._ks = base, ks
+        # Only the models that keep some but not all are selected among; the passes scan those.
+        self._selected = [i for i, k in enumerate(ks) if 0 < k < base.size]
+        self._models = [models[i] for i in self._selected]
+        self._k = [ks[i] for i in self._selected]
         self._lock = threading.Lock()
         self._cuts: list[tuple[int, int | None]] | None = None  # per model: (threshold key, cut offset)
 
@@ -98,6 +102,9 @@ class Trims:
         """Into ``out``: which of elements ``[start, stop)`` (their ``keys``) survive the trim."""
         import numpy as np
 
+        if self._ks[model] <= 0:
+            out[...] = False
+            return out
         threshold, cut = self.select()[model]
         if cut is None or cut >= stop:
             return np.greater_equal(keys, threshold, out=out)
@@ -108,13 +115,15 @@ class Trims:
 
     def keeps_only_nonzero(self) -> bool:
         """Whether every model's threshold key is above 0, so that no kept delta is 0."""
-        return all(threshold > 0 for threshold, _ in self.select())
+        return all(k > 0 for k in self._ks) and all(threshold > 0 for threshold, _ in self.select())
 
     def select(self) -> list[tuple[int, int | None]]:
-        """Each model's (threshold key, cut offset), found on the first call."""
+        """Each model's (threshold key, cut offset), found on the first call (a model that
+        keeps all: key 0, no cut; one that keeps none: never asked, see ``keep``)."""
         with self._lock:
             if self._cuts is None:
-                self._cuts = self._select()
+                found = iter(self._select() if self._selected else [])
+                self._cuts = [next(found) if i in self._selected else (0, None) for i in range(len(self._ks))]
             return self._cuts
 
     def _select(self) -> list[tuple[int, int | None]]:
@@ -122,10 +131,10 @@ class Trims:
         if size <= self.SAMPLE:
             cuts = []
             for keys in self._sample(whole=True):
-                threshold, take = _kth_largest(keys, self._k)
+                threshold, take = _kth_largest(keys, self._k[len(cuts)])
                 cuts.append((threshold, _first_not_kept(keys, threshold, take)))
             return cuts
-        bounds = [_bounds(sample, self._k, size) for sample in self._sample(whole=False)]
+        bounds = [_bounds(sample, k, size) for sample, k in zip(self._sample(whole=False), self._k)]
         found = self._count_near(bounds)
         missed = [i for i in models if found[i] is None]
         if missed:
@@ -179,7 +188,7 @@ class Trims:
 
         self._scan(self._blocks(), range(count), visit, parallel=True)
         pieces = [sorted(near[i] or [], key=lambda piece: piece[0]) for i in range(count)]  # in element order
-        wanted = [self._k - above[i] for i in range(count)]  # how many of each model's near keys are kept
+        wanted = [self._k[i] - above[i] for i in range(count)]  # how many of each model's near keys are kept
         kths: list[tuple[int, int] | None] = [None] * count
 
         def kth(i: int) -> None:
@@ -227,7 +236,7 @@ class Trims:
             high[i] += np.bincount((keys >> 16).astype(np.uint16), minlength=1 << 16)
 
         self._scan(blocks, which, high_pass)
-        bins = {i: _kth_bin(high[i], self._k) for i in which}  # (bin, count above it)
+        bins = {i: _kth_bin(high[i], self._k[i]) for i in which}  # (bin, count above it)
         low = {i: np.zeros(1 << 16, np.int64) for i in which}
         recorded: dict[int, list | None] = {i: [] for i in which}  # (offsets, low bits) inside the bin
         room = {i: self.MAX_RECORDED // count for i in which}
@@ -245,9 +254,9 @@ class Trims:
         self._scan(blocks, which, low_pass)
         cuts, needed = {}, {}
         for i in which:
-            lo, above_lo = _kth_bin(low[i], self._k - bins[i][1])
+            lo, above_lo = _kth_bin(low[i], self._k[i] - bins[i][1])
             threshold = (bins[i][0] << 16) | lo
-            take = self._k - bins[i][1] - above_lo  # how many keys equal to the threshold are kept
+            take = self._k[i] - bins[i][1] - above_lo  # how many keys equal to the threshold are kept
             cut = None
             if take < low[i][lo] and recorded[i] is not None:
                 offsets = np.concatenate([o for o, _ in recorded[i]])

@@ -44,7 +44,8 @@ def convert(
         treecli convert model.safetensors ckpt_dir --format orbax
     """
     from treecli import _dtypes, _leaf, _tree
-    from treecli._edit import EditReport, cast_leaf
+    from treecli._combine import cast_leaf
+    from treecli._edit import EditReport
     from treecli._keypath import format_keypath
     from treecli._verify import Verifier
     from treecli._errors import UsageError, option
@@ -62,7 +63,7 @@ def convert(
         elif dtype:
             name = _dtypes.parse(dtype)
             tree = _tree.map_leaves(
-                lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report)
+                lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report.warnings.append)
                 if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.

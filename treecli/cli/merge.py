@@ -32,9 +32,10 @@ def merge(
     t: opt.patterns("--t", "[PATTERN=]T: slerp's interpolation factor, 0 the base, 1 the other model.") = None,
     seed: Annotated[int, typer.Option("--seed", help="DARE's random seed: the same seed gives the same bytes "
                                       "anywhere.")] = 0,
-    rescale: Annotated[str, typer.Option("--rescale", help="How DARE rescales what it keeps: l1 (mergekit's: "
-                                         "each task vector back to its L1 norm over the leaf), density (by "
-                                         "1/density) or none.")] = "l1",
+    rescale: Annotated[Optional[str], typer.Option("--rescale", help="How what a sparsifying method keeps is "
+                                                   "rescaled: l1 (mergekit's: each task vector back to its L1 norm "
+                                                   "over the leaf; dare_* and della* by default), density (DARE: by "
+                                                   "1/density) or none.", show_default=False)] = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="Divide by the summed "
                                                       "weights (default: the method's own, as mergekit: linear "
                                                       "and ties do).", show_default=False)] = None,
