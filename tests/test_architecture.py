@@ -18,7 +18,7 @@ CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._error
         "treecli._gc", "treecli._memory", "treecli._atomic"}
 OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._edit",
               "treecli._diff", "treecli._layers"}
-ENGINES = {"treecli._combine", "treecli._selection"}  # shared by operations
+ENGINES = {"treecli._combine", "treecli._selection", "treecli._methods", "treecli._mergeconfig"}  # shared by operations
 API = {"treecli._api", "treecli._verify", "treecli._render"}
 CONCRETE_SOURCES = {"treecli._bytes.local", "treecli._bytes.http", "treecli._bytes.kvstore", "treecli._bytes.upload"}
 

@@ -41,13 +41,14 @@ class AverageReport:
     copied: list[str] = field(default_factory=list)  # int/bool/non-array leaves copied from one input
     differing: list[str] = field(default_factory=list)  # those of them that differ between inputs
     copied_from: str = ""  # the input they came from
+    messages: list[str] = field(default_factory=list)  # other warnings (a merge config's ignored keys, ...)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def warnings(self) -> list[str]:
         lines = [f"{kp}: {nan} NaN and {inf} Inf values in {name}"
                  for (kp, name), (nan, inf) in self.nonfinite_inputs.items()]
         lines += [f"{kp}: non-finite values in the output: {count}" for kp, count in self.nonfinite_outputs.items()]
-        return lines
+        return list(self.messages) + lines
 
     def notes(self) -> list[str]:
         if not self.differing:

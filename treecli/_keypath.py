@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-from treecli._errors import KeyPathSyntaxError
+from treecli._errors import KeyPathSyntaxError, UsageError
 from treecli._escape import is_safe, json_text
 
 KeyPath = tuple  # tuple[str | int, ...]
@@ -61,6 +61,24 @@ class Segment:
 
 
 Pattern = tuple  # tuple[Segment, ...]
+
+
+# A layer's number in a key path's text: what follows ``layers``, ``blocks``, ``h`` or ``layer``
+# (``model.layers.12.mlp.up_proj.weight`` is layer 12).
+LAYER_PATTERN = r"(?:^|\.)(?:layers|blocks|h|layer)\.(\d+)(?:\.|$)"
+
+
+def layer_regex(pattern: str | None, what: str = "--layer-pattern") -> re.Pattern:
+    """``pattern`` (default ``LAYER_PATTERN``) compiled: a regular expression searched in a
+    key path's text whose first group captures the layer number."""
+
+    try:
+        compiled = re.compile(pattern or LAYER_PATTERN)
+    except re.error as e:
+        raise UsageError(f"{what} {pattern!r}: {e}") from None
+    if compiled.groups < 1:
+        raise UsageError(f"{what} {pattern!r} must capture the layer number in a group")
+    return compiled
 
 
 @lru_cache(maxsize=1024)

@@ -13,15 +13,13 @@ path's text) captures; leaves outside every layer (embeddings, the head) are one
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from treecli import _dtypes, _leaf, _tree
+from treecli import _dtypes, _keypath, _leaf, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 
-LAYER_PATTERN = r"(?:^|\.)(?:layers|blocks|h|layer)\.(\d+)(?:\.|$)"
 # Kinds of module by the names in a key path, the first that matches (a norm first:
 # post_attention_layernorm is a norm).
 _KINDS = (("norm", ("norm", "ln_", "ln1", "ln2")),
@@ -78,12 +76,7 @@ def by_layer(a: Any, b: Any, *, layer_pattern: str | None = None, progress=None)
     """
     from treecli._bytes import stream
 
-    try:
-        pattern = re.compile(layer_pattern or LAYER_PATTERN)
-    except re.error as e:
-        raise UsageError(f"--layer-pattern {layer_pattern!r}: {e}") from None
-    if pattern.groups < 1:
-        raise UsageError(f"--layer-pattern {layer_pattern!r} must capture the layer number in a group")
+    pattern = _keypath.layer_regex(layer_pattern)
     flat_b = _tree.by_text(b)
     rows: dict[tuple, Row] = {}
     report = LayerReport()
