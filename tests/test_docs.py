@@ -84,6 +84,9 @@ def template(tmp_path_factory) -> Path:
         save_file(_soup_member(i), str(box / f"{name}.safetensors"))
         if name in ("b", "base", "ft_a", "ft_b"):  # also as directories, as some examples name them
             _hf_dir(box / name, _soup_member(i))
+    (box / "merge.yml").write_text("merge_method: ties\nbase_model: base.safetensors\nmodels:\n"
+                                   "  - model: ft_a.safetensors\n    parameters: {density: 0.5, weight: [0.3, 1.0]}\n"
+                                   "  - model: ft_b.safetensors\n    parameters: {density: 0.5, weight: 0.5}\n")
     for i, name in enumerate(["s100", "s200", "s300", "step_100", "step_200", "step_300"]):
         _hf_dir(box / name, _soup_member(i))
     shutil.copytree(box / "b", box / "converted_dir")

@@ -167,7 +167,7 @@ def test_declared_dependencies_are_what_runs():
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 imported.add(node.module.split(".")[0])
     third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "treecli"}
-    module_of = {"orbax_checkpoint": "orbax", "google_auth": "google"}
+    module_of = {"orbax_checkpoint": "orbax", "google_auth": "google", "pyyaml": "yaml"}
     # jax and jaxlib run whenever treecli writes or restores through Orbax (orbax imports them).
     import orbax.checkpoint  # noqa: F401
 
@@ -290,7 +290,7 @@ def _complete(words: str) -> list[str]:
 
 @pytest.mark.parametrize("words, expected", [
     ("treecli merge a b -o o --method t", ["task_arithmetic", "ties"]),
-    ("treecli merge a b -o o --method d", ["dare_ties", "dare_linear"]),
+    ("treecli merge a b -o o --method d", ["dare_ties", "dare_linear", "della", "della_linear"]),
     ("treecli average a b -o o --non-float ", ["last", "first", "error"]),
     ("treecli convert examples/tiny.safetensors x --format o", ["orbax"]),
     ("treecli show examples/tiny.safetensors --format s", ["safetensors"]),

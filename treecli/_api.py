@@ -167,15 +167,32 @@ def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **opti
     return _finish(result, natives, structures[0]), report
 
 
-def merge(trees: Sequence[Any], method: str, *, base: Any = None, **options: Any) -> tuple[Any, Any]:
-    """Merge pytrees with mergekit's methods (``linear``, ``task_arithmetic``, ``ties``,
-    ``dare_linear``, ``dare_ties``, ``slerp``), as the first one's type; options
-    (``weights``, ``density``, ``lambda_``, ``t``, ``seed``, ``normalize``, ...) and the
-    report are those of ``treecli._merge.merge``.
+def merge(trees: Sequence[Any] | None = None, method: str | None = None, *, base: Any = None, config: Any = None,
+          models: dict[str, Any] | None = None, **options: Any) -> tuple[Any, Any]:
+    """Merge pytrees with mergekit's methods (``treecli._merge.METHODS``), as the first
+    one's type; options (``weights``, ``density``, ``lambda_``, ``t``, ``gamma``,
+    ``epsilon``, ``seed``, ``normalize``, ``rescale``, ``parameters``, ...) and the report
+    are those of ``treecli._merge.merge``.
+
+    Or run a mergekit config (``config``: a path to its YAML, or the parsed mapping): its
+    models are the trees in ``models`` (by the names the config gives them), the others
+    opened from their paths; options ``seed``, ``non_float``, ``layer_pattern``.
 
     Example:
         >>> merged, report = treecli.merge([ft_a, ft_b], "ties", base=base, density=0.5)
+        >>> merged, report = treecli.merge(config="merge.yml")
     """
+    if config is not None:
+        if trees is not None or method is not None or base is not None:
+            raise UsageError("a config names the method, the base and the models; give config alone "
+                             "(models= maps its names to trees)")
+        parsed = _merge.load_config(config)
+        given = dict(models or {})
+        natives = {name: _pytree.to_native(tree)[0] if name in given else open(name).tree
+                   for name, tree in ((n, given.get(n)) for n in parsed.models())}
+        return _merge.merge_config(parsed, natives, **options)
+    if trees is None or method is None:
+        raise UsageError("give the trees and the method, or a mergekit config")
     natives, structures = zip(*(_pytree.to_native(t) for t in trees)) if trees else ((), ())
     native_base, base_structure = _pytree.to_native(base) if base is not None else (None, None)
     result, report = _merge.merge(list(natives), method, base=native_base, **options)

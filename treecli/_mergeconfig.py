@@ -33,6 +33,7 @@ IGNORED = {"tokenizer_source": "the tokenizer is not a tensor; copy it beside th
            "residual_weight": "mergekit defines it and never uses it",
            "name": "a name for the config"}
 MODEL_KEYS = ("model", "parameters")
+MAX_CONFIG_BYTES = 1 << 20  # mergekit's configs are a few hundred bytes
 SLICE_KEYS = ("sources", "base_model", "residual_weight", "parameters")
 SOURCE_KEYS = ("model", "layer_range", "parameters")
 
@@ -85,6 +86,9 @@ def load(config: str | Path | Mapping[str, Any], known_parameters: list[str], me
 
         where = str(config)
         try:
+            if Path(config).stat().st_size > MAX_CONFIG_BYTES:
+                raise UsageError(f"{config}: a merge config of more than {MAX_CONFIG_BYTES >> 20} MiB; is this "
+                                 "the config?")
             text = Path(config).read_text(encoding="utf-8")
         except OSError as e:
             raise UsageError(f"{config}: cannot read the config: {e.strerror or e}") from None
@@ -137,7 +141,7 @@ class _Parser:
         if "modules" in data:
             raise self.fail("modules", "several modules (a vision tower beside the language model) are not "
                                        "supported; use models or slices")
-        given = [k for k in ("models", "slices") if data.get(k)]
+        given = [k for k in ("models", "slices") if k in data]
         if len(given) != 1:
             raise self.fail("models", "give exactly one of models and slices" if given else
                             "missing: list the models to merge (models) or the layers to stack (slices)")
@@ -214,10 +218,13 @@ class _Parser:
             self.setting(value, f"{path}.{name}")
         return dict(data)
 
-    def setting(self, value: Any, path: str) -> None:
-        """A scalar, a gradient, or ``{filter, value}`` entries (checked here, resolved later)."""
+    def setting(self, value: Any, path: str, depth: int = 0) -> None:
+        """A scalar, a gradient, or ``{filter, value}`` entries (checked here, resolved later).
+        YAML aliases can nest one list many times over: past a few levels it is refused."""
         if _scalar(value):
             return
+        if depth > 4:
+            raise self.fail(path, "filter entries nested this deep are not a parameter's value")
         if isinstance(value, dict):
             value = [value]
         if not isinstance(value, list) or not value:
@@ -231,7 +238,7 @@ class _Parser:
             if entry.get("filter") is not None and not isinstance(entry["filter"], str):
                 raise self.fail(f"{path}[{i}].filter", f"expected a substring of tensor names, found "
                                                        f"{entry['filter']!r}")
-            self.setting(entry["value"], f"{path}[{i}].value")
+            self.setting(entry["value"], f"{path}[{i}].value", depth + 1)
 
 
 def _scalar(value: Any) -> bool:
