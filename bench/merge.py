@@ -4,19 +4,19 @@ base, against references measured in the same run:
   (a) `treecli average`, one streaming pass, the floor: of the three fine-tunes, and of
       the method's own inputs (the base and its models: the same bytes to read), each
       taken in turns with the method;
-  (b) mergekit's same method (`mergekit-pytorch`, which takes plain safetensors files),
-      from a venv of its own with a CPU torch:
-        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch mergekit
+  (b) mergekit's same config (`mergekit-pytorch`, which takes plain safetensors files),
+      from a venv of its own with a CPU torch; treecli runs that config too (merge --config):
+        python -m venv /tmp/mk && /tmp/mk/bin/pip install torch==2.13.0 mergekit==0.1.5
         python bench/merge.py --mergekit /tmp/mk/bin/mergekit-pytorch
-      For the deterministic methods (task_arithmetic, ties, slerp) the largest
-      difference between the two outputs is reported.
+      For every method but the random ones (dare_*, della*) the largest difference
+      between the two outputs is reported.
 
     python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH]
 
 Wall time is the median of --runs (mergekit: one run), with the range of the method's
 time over the average of its own inputs turn by turn; peak RSS is the child's ru_maxrss
 (for mergekit, that of the process it starts). Page cache warm for all.
-Targets (issue 18): every method >= 5x faster than mergekit's; TIES <= 2.5x the time of
+Targets (issues 18, 35): every method >= 5x faster than mergekit's; TIES <= 3x the time of
 `average` on the same inputs; peak RSS <= 200 MB and flat when the model doubles (--gib 2).
 """
 
@@ -48,30 +48,40 @@ for i in range(3):
               f"{directory}/ft{i}.safetensors")
 '''
 
+# Each method's parameters and inputs: how many fine-tunes, and whether the base is given.
+SETUPS = {
+    "linear": ({}, 3, False), "task_arithmetic": ({}, 3, True), "ties": ({"density": 0.5}, 3, True),
+    "dare_linear": ({"density": 0.5}, 3, True), "dare_ties": ({"density": 0.5}, 3, True),
+    "breadcrumbs": ({"density": 0.5}, 3, True), "breadcrumbs_ties": ({"density": 0.5}, 3, True),
+    "della": ({"density": 0.5, "epsilon": 0.1}, 3, True), "della_linear": ({"density": 0.5, "epsilon": 0.1}, 3, True),
+    "slerp": ({"t": 0.3}, 1, True), "nuslerp": ({}, 2, True), "multislerp": ({}, 3, True), "karcher": ({}, 3, False),
+    "model_stock": ({}, 3, True), "nearswap": ({"t": 0.001}, 1, True), "ram": ({}, 3, True),
+    "ramplus_tl": ({}, 3, True), "sce": ({"select_topk": 0.5}, 3, True), "arcee_fusion": ({}, 1, True),
+    "passthrough": ({}, 1, False),
+}
+
 CHILD = r'''
 import json, os, resource, subprocess, sys, time
 start = time.perf_counter()
 tool, method, out, base, *models = sys.argv[1:]
-params = {"ties": {"density": 0.5}, "dare_linear": {"density": 0.5}, "dare_ties": {"density": 0.5},
-          "slerp": {"t": 0.3}}.get(method, {})
-if tool == "treecli":
+if tool == "treecli" and method.startswith("average"):
     from treecli.cli import main
-    if method == "average":
-        args = ["average", *models]
-    elif method == "average-with-base":
-        args = ["average", base, *models]
-    else:
-        args = ["merge", "--method", method, "--base", base, *models]
-        for name, value in params.items():
-            args += [f"--{name}", str(value)]
+    args = ["average", *models] if method == "average" else ["average", base, *models]
     assert main(args + ["-o", out, "--quiet"]) == 0
 else:
-    config = {"merge_method": method, "base_model": base, "dtype": "float32", "out_dtype": "float32",
-              "parameters": params,
+    # One mergekit config for both tools (JSON is YAML); the base, when the method takes one.
+    params, _, with_base = json.loads(os.environ["BENCH_SETUPS"])[method]
+    config = {"merge_method": method, "dtype": "float32", "out_dtype": "float32", "parameters": params,
               "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models]}
-    open(out + ".yml", "w").write(json.dumps(config))  # JSON is YAML
-    subprocess.run([os.environ["BENCH_MERGEKIT"], out + ".yml", out, "--quiet", "--lazy-unpickle",
-                    "--no-copy-tokenizer", "--no-write-model-card"], check=True)
+    if with_base:
+        config["base_model"] = base
+    open(out + ".yml", "w").write(json.dumps(config))
+    if tool == "treecli":
+        from treecli.cli import main
+        assert main(["merge", "--config", out + ".yml", "-o", out, "--quiet"]) == 0
+    else:
+        subprocess.run([os.environ["BENCH_MERGEKIT"], out + ".yml", out, "--quiet", "--lazy-unpickle",
+                        "--no-copy-tokenizer", "--no-write-model-card"], check=True)
 elapsed = time.perf_counter() - start
 rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 print(json.dumps({"seconds": elapsed, "rss_mb": rss / 1024}))
@@ -101,8 +111,8 @@ for key in a:
 print(worst, differing, total)
 '''
 
-METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")
-DETERMINISTIC = ("task_arithmetic", "ties", "slerp")
+METHODS = tuple(SETUPS)
+RANDOM = ("dare_linear", "dare_ties", "della", "della_linear")  # no output to compare with mergekit's
 
 
 def run(tool: str, method: str, out: Path, base: Path, models: list[Path], env: dict[str, str]) -> dict:
@@ -110,7 +120,8 @@ def run(tool: str, method: str, out: Path, base: Path, models: list[Path], env: 
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.sync()  # else the previous run's dirty pages throttle this run's writes
     result = subprocess.run([sys.executable, "-c", CHILD, tool, method, str(out), str(base), *map(str, models)],
-                            capture_output=True, text=True, env={**os.environ, **env})
+                            capture_output=True, text=True,
+                            env={**os.environ, **env, "BENCH_SETUPS": json.dumps(SETUPS)})
     if result.returncode:
         sys.exit(f"{tool} {method} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -146,7 +157,7 @@ def main() -> None:
         print("vs average: of the 3 fine-tunes / of the method's own inputs (the base and its models)")
         print(f"{'':<24} {'wall':>8} {'peak RSS':>10} {'vs average':>15}")
         for method in args.methods.split(","):
-            models = fts[:1] if method == "slerp" else fts
+            models = fts[: SETUPS[method][1]]
             # "average" of the inputs: the base is passed to the child as the first of them
             (three, own, ours), turns = interleaved([("average", fts), ("average-with-base", models),
                                                      (method, models)])
@@ -158,7 +169,7 @@ def main() -> None:
                 theirs = run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
                          f"{theirs['seconds'] / ours['seconds']:.1f}x slower")
-                if method in DETERMINISTIC:
+                if method not in RANDOM:
                     worst, differing, total = subprocess.run(
                         [sys.executable, "-c", COMPARE, str(tmp / f"treecli-{method}.safetensors"),
                          str(tmp / f"mergekit-{method}.safetensors")], capture_output=True, text=True,
