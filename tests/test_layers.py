@@ -80,3 +80,27 @@ def test_by_layer_lines_up_trees_across_formats_and_names_its_pattern(cli, tmp_p
         [(0, "mlp", 2.0), (1, "mlp", 2.0)]
     assert_clean_error(cli("diff", tmp_path / "c.safetensors", tmp_path / "d.safetensors", "--by-layer",
                            "--layer-pattern", "block_"), "must capture the layer number")
+
+
+def test_plot_draws_the_changes_as_a_png_and_refuses_what_it_would_replace(cli, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    a, b = llama_like(0, layers=12), llama_like(1, layers=12)
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    args = ["diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer"]
+    result = cli(*args, "--plot", tmp_path / "layers.png")
+    assert result.code == 1, result.stderr
+    png = (tmp_path / "layers.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "wrote" in result.stderr and "█" in result.stdout  # the table too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "layers.png"]
+    assert_clean_error(cli(*args, "--plot", tmp_path / "layers.png"), "the file exists")
+    assert (tmp_path / "layers.png").read_bytes() == png
+    assert_clean_error(cli(*args[:3], "--plot", tmp_path / "x.png"), "add --by-layer")
+    assert_clean_error(cli(*args, "--plot", tmp_path / "x.jpg"), "name a .png file")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert_clean_error(cli(*args, "--plot", tmp_path / "y.png"), "pip install 'treecli[plot]'")
+    assert not (tmp_path / "y.png").exists()

@@ -156,9 +156,10 @@ def test_declared_dependencies_are_what_runs():
 
     root = Path(__file__).parent.parent
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    # The cloud extra: uploads to buckets, imported only then.
+    # The cloud extra: uploads to buckets, imported only then; the plot extra: diff --plot.
     declared = {d.split(">")[0].split("<")[0].split("=")[0].strip().lower().replace("-", "_")
-                for d in project["dependencies"] + project["optional-dependencies"]["cloud"]}
+                for d in project["dependencies"] + project["optional-dependencies"]["cloud"]
+                + project["optional-dependencies"]["plot"]}
     imported = set()
     for path in (root / "treecli").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

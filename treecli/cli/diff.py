@@ -30,6 +30,10 @@ def diff(
         "--layer-pattern", metavar="REGEX", show_default=False,
         help="With --by-layer: a regular expression whose first group is the layer number (default: the number "
              "after layers., blocks., h. or layer.).")] = None,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", metavar="FILE.png", show_default=False,
+        help="With --by-layer: also draw the changes per layer as a PNG (needs matplotlib: pip install "
+             "'treecli[plot]').")] = None,
     json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> int:
@@ -47,9 +51,13 @@ def diff(
     """
     from treecli import _cluster, _diff
 
+    from treecli._errors import UsageError
+
     out = Output(quiet=quiet)
+    if plot is not None and not by_layer:
+        raise UsageError("--plot draws --by-layer's changes; add --by-layer")
     if by_layer:
-        return _by_layer(out, a, b, step, like, layer_pattern, json)
+        return _by_layer(out, a, b, step, like, layer_pattern, json, plot)
     cluster = _cluster.current()  # several processes: each compares its share of the leaves
     part = (cluster.process_id, cluster.count) if cluster else (0, 1)
     with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
@@ -84,9 +92,14 @@ def _print(out: Output, result, json: bool) -> None:
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
 
 
-def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None, json: bool) -> int:
+def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None, json: bool,
+              plot: str | None) -> int:
     from treecli import _layers, _render
 
+    if plot is not None:
+        from treecli.cli._plot import check_target
+
+        check_target(plot)  # (before reading a byte of the checkpoints)
     with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
@@ -102,6 +115,11 @@ def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None
         out.lines(_render.table(["layer", "kind", "params", "‖b−a‖/‖a‖", ""], rows, {2, 3}))
         if report.skipped:
             out.note(f"{len(report.skipped)} leaves not compared (e.g. {report.skipped[0]})")
+    if plot is not None:
+        from treecli.cli._plot import draw_layers
+
+        draw_layers(report, plot, title=f"{a} → {b}")
+        out.note(f"wrote {plot}")
     return ExitStatus.OK if report.equal else ExitStatus.DIFFERENCES
 
 
