@@ -323,3 +323,32 @@ def test_methods_refuse_what_they_cannot_take():
         merged("sce", None, ms)
     with pytest.raises(treecli.UsageError, match="nearswap needs t"):
         merged("nearswap", base, ms[:1])
+
+
+@pytest.mark.parametrize("method", sorted(_merge.METHODS))
+def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
+    """Scalars, vectors, matrices and 3-D leaves (DELLA ranks along the second axis, rows
+    are the last), in bf16, fp16 and fp32, with and without a base: outputs finite."""
+    spec = _merge.SPECS[method]
+    low, high = spec.models
+    count = high if high is not None else max(low, 3)
+    for shape in [(), (5,), (3, 4), (2, 3, 4), (0, 4)]:
+        for dtype in (np.float32, BF16, np.float16):
+            base, ms = family(shape=shape, count=count, dtype=dtype, seed=len(shape))
+            options = {"t": 0.3} if spec.param("t") else {}
+            if spec.param("density"):
+                options["density"] = 0.5
+            out, report = merged(method, None if spec.base == "none" else base, ms, **options)
+            assert out.shape == shape and out.dtype == dtype, (method, shape, dtype)
+            assert np.isfinite(out.astype(np.float64)).all() and not report.warnings(), (method, shape, dtype)
+
+
+def test_della_coins_are_the_same_whatever_the_chunking():
+    base, (m,) = family(shape=(37, 129), count=1)
+    settings = _merge.LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
+                                   [{"weight": 1.0, "density": 0.4, "epsilon": 0.2}])
+    leaf = _merge.leaf_merge("della_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 11, "w",
+                             ["base", "m"], treecli._combine.AverageReport())
+    whole = leaf.read_flat(0, base.size)
+    pieces = np.concatenate([leaf.read_flat(s, min(base.size, s + 77)) for s in range(0, base.size, 77)])
+    assert whole.tobytes() == pieces.tobytes()

@@ -1,17 +1,21 @@
-"""``merge``: task arithmetic, TIES, DARE and SLERP, streamed like ``average``.
+"""``merge``: mergekit's 20 methods, from flags or a mergekit config, streamed like ``average``.
 
-The methods and their defaults are mergekit's (``generalized_task_arithmetic``,
-``sparsify``, ``slerp``):
+``SPECS`` says what each method takes (a base, how many models, its parameters by
+mergekit's names and defaults); ``merge`` resolves flags and ``merge_config`` a
+config (``_mergeconfig``) into each leaf's ``LeafSettings``, and ``leaf_merge`` builds
+the leaf. The task-vector methods live here, the others in ``_methods``:
 
 - task vectors ``dᵢ = mᵢ − base``; TIES keeps each one's ``density`` fraction of
-  largest magnitudes (exactly ``k = int(density · n)``), DARE keeps each element
-  with probability ``density`` and rescales what it keeps (``rescale``): by default as
-  mergekit does, to each task vector's L1 norm over the leaf (``‖d‖₁ / ‖d ⊙ keep‖₁``,
-  found by a first pass), or by ``1/density`` (the DARE paper's), or not at all;
-- TIES and DARE-TIES elect a sign per element from the weighted sum ``Σ wᵢdᵢ`` (``≥ 0``
-  is positive) and keep only the weighted deltas that agree with it;
+  largest magnitudes (``k = max(1, int(density · n))``), breadcrumbs those less the
+  largest ``gamma`` fraction, DARE each element with probability ``density``, DELLA
+  with a probability rising with its magnitude's rank in its row; what is kept is
+  rescaled (``rescale``) to each task vector's L1 norm over the leaf
+  (``‖d‖₁ / ‖d ⊙ keep‖₁``, found by a first pass; DARE and DELLA by default), or by
+  ``1/density`` (DARE only), or not at all;
+- the ``_ties`` methods and DELLA elect a sign per element from the weighted sum
+  ``Σ wᵢdᵢ`` (``≥ 0`` is positive) and keep only the weighted deltas that agree with it;
 - the mixed delta is ``Σ wᵢdᵢ`` (over the agreeing ones), divided by ``Σ wᵢ`` (over
-  the same) when normalizing: by default for TIES only; then scaled by ``lambda``;
+  the same) when normalizing (by default for TIES and DELLA); then scaled by ``lambda``;
 - SLERP interpolates two models by the angle between their flattened leaves, and
   falls back to linear interpolation when ``|cos| > 0.9995``.
 
@@ -20,11 +24,11 @@ dtype at the end; mergekit computes in the models' dtype. Leaves of other dtypes
 (integer, bool, non-array) follow ``average``'s rules.
 
 Streaming needs, per leaf, what mergekit reads off a whole tensor: SLERP one
-pass for the dot product and the norms; TIES the exact ``k``-th largest magnitude of
-each task vector, found by the streaming exact selection of ``_selection``.
-DARE's coin flips come from a counter-based generator (SplitMix64's mixer) keyed by
-the seed, the leaf's key path and the model, at each element's offset: the same
-bytes whatever the chunk size or thread count.
+pass for the dot product and the norms; TIES and breadcrumbs the exact ``k``-th largest
+magnitude of each task vector, found by the streaming exact selection of ``_selection``.
+DARE's and DELLA's coin flips come from a counter-based generator (SplitMix64's mixer)
+keyed by the seed, the leaf's key path and the model, at each element's offset: the
+same bytes whatever the chunk size or thread count.
 """
 
 from __future__ import annotations

@@ -132,21 +132,48 @@ def _row_length(shape: tuple) -> int:
 def _gram(leaves: Leaves, base: bool, unit: int | None = None):
     """The inner products of the vectors (each input less the base, when ``base``; the
     inputs themselves otherwise), in float64: ``(k, k)`` over the leaf, or
-    ``(rows, k, k)`` per ``unit`` elements."""
+    ``(rows, k, k)`` per ``unit`` elements. Blocks on two threads, each in its own
+    scratch buffers; the leaf's sums are added in block order (the same bytes whatever
+    thread did which block), a row's lie in one block. With einsum, not BLAS (see
+    ``_merge._slerp_leaf``)."""
     import numpy as np
 
-    k = len(leaves) - (1 if base else 0)
-    rows = 1 if unit is None else leaves[0].size // unit
-    gram = np.zeros((rows, k, k))
-    for start, stop, arrays in _blocks(leaves, unit or 1):
-        vectors = [x - arrays[0] for x in arrays[1:]] if base else arrays
-        if unit is None:
-            stacked = np.stack(vectors)
-            gram[0] += np.einsum("in,jn->ij", stacked, stacked)
-        else:
-            stacked = np.stack([v.reshape(-1, unit) for v in vectors])  # (k, rows here, unit)
-            gram[start // unit : stop // unit] += np.einsum("irn,jrn->rij", stacked, stacked)
-    return gram if unit is not None else gram[0]
+    size, k = leaves[0].size, len(leaves) - (1 if base else 0)
+    step = max(unit or 1, SUB_CHUNK // (unit or 1) * (unit or 1))
+    gram = np.zeros((1 if unit is None else size // unit, k, k))
+    partials: dict[int, Any] = {}
+    pairs = [(i, j) for i in range(k) for j in range(i, k)]
+
+    def add(start: int) -> None:
+        stop = min(size, start + step)
+        n = stop - start
+        with _combine.scratch_buffers(len(leaves) + 1, step) as buffers:
+            wide = [b.view(np.float64)[:n] for b in buffers[1:]]
+            for leaf, into in zip(leaves, wide):
+                raw = buffers[0].view(leaf.dtype)[:n]
+                leaf.read_into(start, stop, raw)
+                np.copyto(into, raw)
+            vectors = wide[1:] if base else wide
+            if base:
+                for v in vectors:
+                    v -= wide[0]
+            if unit is None:
+                block = np.zeros((k, k))
+                for i, j in pairs:
+                    block[i, j] = block[j, i] = np.einsum("n,n->", vectors[i], vectors[j])
+                partials[start] = block
+            else:
+                rows = gram[start // unit : stop // unit]
+                shaped = [v.reshape(-1, unit) for v in vectors]
+                for i, j in pairs:
+                    rows[:, i, j] = rows[:, j, i] = np.einsum("rn,rn->r", shaped[i], shaped[j])
+
+    stream.each_on_two_threads(add, range(0, size, step))
+    if unit is not None:
+        return gram
+    for start in sorted(partials):
+        gram[0] += partials[start]
+    return gram[0]
 
 
 def _norms(gram):
