@@ -787,44 +787,17 @@ def _counters(count: int):
 
 def _slerp_leaf(v0: _leaf.ArrayLeaf, v1: _leaf.ArrayLeaf, t: float | None, keypath: str, names: list[str],
                 report: AverageReport) -> _leaf.ComputedLeaf:
-    import numpy as np
-
+    """The weighted sum of the two models, its weights from a first pass over both (their
+    inner products: ``_methods.inner_products``, as the other geometric methods')."""
     if t is None:
         raise UsageError(f"no {option('t', 'PATTERN=T')} rule covers this leaf; add a default {option('t', 'T')}",
                          keypath=keypath)
 
-    lock = threading.Lock()
-    interpolated: list[_leaf.ComputedLeaf] = []
-    partials: dict[int, tuple[float, float, float]] = {}
+    def weights() -> tuple[float, float]:
+        gram = _methods.inner_products([v0, v1], base=False)
+        return _slerp_factors(t, float(gram[0, 1]), math.sqrt(gram[0, 0]), math.sqrt(gram[1, 1]))
 
-    def add_block(start: int) -> None:
-        """The dot product and squared norms of one block, in float64. With einsum, not BLAS:
-        OpenBLAS runs a dot on threads of its own, and under treecli's two the 1 GiB slerp
-        took 2.5-3.7 s instead of 1.5-1.8 s."""
-        stop = min(v0.size, start + SUB_CHUNK)
-        with _combine.scratch_buffers() as buffers:
-            raw = buffers[0].view(v0.dtype)[: stop - start]
-            a, b = (buffer.view(np.float64)[: stop - start] for buffer in buffers[1:])
-            v0.read_into(start, stop, raw)
-            np.copyto(a, raw)
-            v1.read_into(start, stop, raw)
-            np.copyto(b, raw)
-            partials[start] = tuple(float(np.einsum("i,i->", x, y)) for x, y in ((a, b), (a, a), (b, b)))
-
-    def leaf() -> _leaf.ComputedLeaf:
-        """The weighted sum of the two models, its weights from a first pass over both."""
-        with lock:
-            if not interpolated:
-                stream.each_on_two_threads(add_block, range(0, v0.size, SUB_CHUNK))
-                # summed in block order: the same bytes whatever thread did which block
-                dot, norm0, norm1 = (math.fsum(partials[s][j] for s in sorted(partials)) for j in range(3))
-                s0, s1 = _slerp_factors(t, dot, math.sqrt(norm0), math.sqrt(norm1))
-                interpolated.append(_combine.averaged_leaf([v0, v1], [s0, s1], v0.dtype_name, keypath, names,
-                                                            report, convex=False))
-        return interpolated[0]
-
-    return _leaf.ComputedLeaf(v0.shape, v0.dtype, fill=lambda start, stop, out: leaf().read_into(start, stop, out),
-                              inputs=[v0, v1])
+    return _methods.weighted([v0, v1], weights, keypath, names, report)
 
 
 def _slerp_factors(t: float, dot: float, norm0: float, norm1: float) -> tuple[float, float]:

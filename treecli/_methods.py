@@ -97,22 +97,14 @@ class _Once:
             return self._value[0]
 
 
-def _weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, names: list[str],
+def weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, names: list[str],
               report: AverageReport, unit: int | None = None) -> _leaf.ComputedLeaf:
     """``Σ cᵢ · inputᵢ`` with the coefficients measured on first read: one set for the leaf
     (``unit`` None), or one row of them per ``unit`` elements."""
     once = _Once(coefficients)
     if unit is None:
-        made: list[_leaf.ComputedLeaf] = []
-        lock = threading.Lock()
-
-        def whole() -> _leaf.ComputedLeaf:
-            with lock:
-                if not made:
-                    made.append(_combine.averaged_leaf(leaves, [float(c) for c in once()], leaves[0].dtype_name,
-                                                        keypath, names, report, convex=False))
-            return made[0]
-
+        whole = _Once(lambda: _combine.averaged_leaf(leaves, [float(c) for c in once()], leaves[0].dtype_name,
+                                                      keypath, names, report, convex=False))
         return _leaf.ComputedLeaf(leaves[0].shape, leaves[0].dtype,
                                   fill=lambda start, stop, out: whole().read_into(start, stop, out), inputs=leaves)
 
@@ -129,13 +121,14 @@ def _row_length(shape: tuple) -> int:
     return max(1, shape[-1]) if len(shape) >= 2 else max(1, math.prod(shape))
 
 
-def _gram(leaves: Leaves, base: bool, unit: int | None = None):
+def inner_products(leaves: Leaves, base: bool, unit: int | None = None):
     """The inner products of the vectors (each input less the base, when ``base``; the
     inputs themselves otherwise), in float64: ``(k, k)`` over the leaf, or
     ``(rows, k, k)`` per ``unit`` elements. Blocks on two threads, each in its own
     scratch buffers; the leaf's sums are added in block order (the same bytes whatever
-    thread did which block), a row's lie in one block. With einsum, not BLAS (see
-    ``_merge._slerp_leaf``)."""
+    thread did which block), a row's lie in one block. With einsum, not BLAS: OpenBLAS
+    runs a dot on threads of its own, and under treecli's two a 1 GiB slerp took
+    2.5-3.7 s instead of 1.5-1.8 s."""
     import numpy as np
 
     size, k = leaves[0].size, len(leaves) - (1 if base else 0)
@@ -205,7 +198,7 @@ def multislerp(leaves: Leaves, base: bool, weights: list[float], normalize_weigh
         return models[0]
 
     def coefficients():
-        gram = _gram(leaves, base)
+        gram = inner_products(leaves, base)
         norms = _norms(gram)
         w = np.asarray(weights, np.float64)
         if normalize_weights:
@@ -225,7 +218,7 @@ def multislerp(leaves: Leaves, base: bool, weights: list[float], normalize_weigh
             on_vectors = on_units * float(norms @ w) / (norms + eps)
         return _with_base(on_vectors) if base else on_vectors
 
-    return _weighted(leaves, coefficients, keypath, names, report)
+    return weighted(leaves, coefficients, keypath, names, report)
 
 
 def nuslerp(leaves: Leaves, base: bool, weights: list[float], row_wise: bool, flatten: bool,
@@ -251,10 +244,10 @@ def nuslerp(leaves: Leaves, base: bool, weights: list[float], row_wise: bool, fl
         return _with_base(pair) if base else pair
 
     if flatten or len(shape) < 2:
-        return _weighted(leaves, lambda: factors(_gram(leaves, base)), keypath, names, report)
+        return weighted(leaves, lambda: factors(inner_products(leaves, base)), keypath, names, report)
     if not columns:
         unit = shape[-1]
-        return _weighted(leaves, lambda: factors(_gram(leaves, base, unit)), keypath, names, report, unit)
+        return weighted(leaves, lambda: factors(inner_products(leaves, base, unit)), keypath, names, report, unit)
     # Vectors along the first axis (mergekit transposes it last): one per column of the rest.
     width = leaves[0].size // shape[0]
 
@@ -285,7 +278,7 @@ def karcher(leaves: Leaves, max_iter: int, tol: float, keypath: str, names: list
         return leaves[0]
 
     def coefficients():
-        gram = _gram(leaves, base=False)
+        gram = inner_products(leaves, base=False)
         norms = _norms(gram)
         alphas = np.full(len(leaves), 1.0 / len(leaves))
         valid = np.flatnonzero(norms > tol)
@@ -319,7 +312,7 @@ def karcher(leaves: Leaves, max_iter: int, tol: float, keypath: str, names: list
         result[valid] = float(alphas @ norms) * mean / norms[valid]
         return result
 
-    return _weighted(leaves, coefficients, keypath, names, report)
+    return weighted(leaves, coefficients, keypath, names, report)
 
 
 def model_stock(leaves: Leaves, filter_wise: bool, keypath: str, names: list[str],
@@ -332,7 +325,7 @@ def model_stock(leaves: Leaves, filter_wise: bool, keypath: str, names: list[str
     unit = _row_length(leaves[0].shape) if filter_wise and len(leaves[0].shape) >= 2 else None
 
     def coefficients():
-        gram = _gram(leaves, base=True, unit=unit)
+        gram = inner_products(leaves, base=True, unit=unit)
         norms = _norms(gram)
         cosines = [np.clip(gram[..., i, j] / np.maximum(norms[..., i] * norms[..., j], 1e-6), -1.0, 1.0)
                    for i in range(count) for j in range(i + 1, count)]
@@ -342,7 +335,7 @@ def model_stock(leaves: Leaves, filter_wise: bool, keypath: str, names: list[str
         t = np.where(singular, 0.0, count * cosine / np.where(singular, 1.0, denominator))
         return np.stack([1.0 - t] + [t / count] * count, axis=-1)
 
-    return _weighted(leaves, coefficients, keypath, names, report, unit)
+    return weighted(leaves, coefficients, keypath, names, report, unit)
 
 
 # --- element-wise methods ------------------------------------------------------------------------
