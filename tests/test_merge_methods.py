@@ -223,6 +223,14 @@ def test_sce_selects_by_variance_weights_by_energy_and_erases_minority_signs():
     for topk in (1.0, 0.4):
         out, _ = merged("sce", base, ms, parameters={"select_topk": topk})
         close(out, ref_sce(base, ms, topk))
+    # Task vectors of a few exact values: variances tie by the hundred thousand, and the first
+    # of those equal to the cut's are kept, as a stable sort keeps them.
+    rng = np.random.default_rng(5)
+    base = (np.round(base * 64) / 64).astype(np.float32)  # every sum below exact
+    ms = [(base + rng.integers(-2, 3, base.shape) * 0.25).astype(np.float32) for _ in range(3)]
+    for topk in (0.3, 0.55):
+        out, _ = merged("sce", base, ms, parameters={"select_topk": topk})
+        close(out, ref_sce(base, ms, topk))
 
 
 @pytest.mark.parametrize("plus", [False, True])
@@ -273,8 +281,9 @@ def test_breadcrumbs_drops_the_smallest_and_the_largest_magnitudes(method, conse
     assert kept == int(density * base.size)  # exactly the target: the 5% largest dropped, the smallest beyond
 
 
-def test_della_keeps_with_probabilities_rising_with_magnitude_and_rescales_to_the_l1_norm():
-    base, (m,) = family(shape=(400, 1000), count=1)
+@pytest.mark.parametrize("shape", [(400, 1000), (20, 1000, 20)])  # ranked along the second axis
+def test_della_keeps_with_probabilities_rising_with_magnitude_and_rescales_to_the_l1_norm(shape):
+    base, (m,) = family(shape=shape, count=1)
     density, epsilon = 0.5, 0.3
     out, _ = merged("della_linear", base, [m], density=density, epsilon=epsilon, seed=4, rescale="none")
     delta = f64(m) - f64(base)
@@ -343,8 +352,9 @@ def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
             assert np.isfinite(out.astype(np.float64)).all() and not report.warnings(), (method, shape, dtype)
 
 
-def test_della_coins_are_the_same_whatever_the_chunking():
-    base, (m,) = family(shape=(37, 129), count=1)
+@pytest.mark.parametrize("shape", [(37, 129), (5, 129, 7)])
+def test_della_coins_are_the_same_whatever_the_chunking(shape):
+    base, (m,) = family(shape=shape, count=1)
     settings = _merge.LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
                                    [{"weight": 1.0, "density": 0.4, "epsilon": 0.2}])
     leaf = _merge.leaf_merge("della_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 11, "w",

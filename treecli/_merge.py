@@ -476,8 +476,12 @@ def _task_leaf(base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], weights: li
                 block(s, e, out[s - start : e - start], Space(buffers, e - s, in_dtype))
 
     def fill_chunk(start: int, stop: int, out) -> None:
+        # The statistics of the whole leaf, here: from a block, their passes would run on one
+        # thread (the other waiting for them).
         if isinstance(keeps, _TopKeeps):
-            keeps.select()  # here, on two threads, before any block waits for it
+            keeps.select()
+        if l1 is not None:
+            l1.factors()
         stream.on_two_threads(fill, start, stop, out, SUB_CHUNK)
 
     return _leaf.ComputedLeaf(base.shape, in_dtype, fill=fill_chunk, inputs=[base, *models])
@@ -631,46 +635,82 @@ class _DareKeeps:
 class _DellaKeeps:
     """DELLA's keeps (mergekit's ``della_magprune``): along each row (the second axis; a
     1-D leaf is one row) an element is kept with probability ``density − epsilon`` for the
-    smallest magnitude rising evenly to ``density + epsilon`` for the largest, by the same
-    coins as DARE's. Magnitudes are ranked at bfloat16 precision (see ``mask``): where two
-    are equal at it, their probabilities differ by ``2·epsilon / (n − 1)`` per place. A block
-    is widened to whole rows to rank them."""
+    smallest magnitude rising evenly to ``density + epsilon`` for the largest, by
+    counter-based coins (``coin_bits``) drawn in rank order: the row's ``j``-th smallest
+    magnitude takes the coin of the row's ``j``-th place, so no chunking or thread count
+    changes a keep. Magnitudes are ranked at bfloat16 precision (see ``_compute``): where
+    two are equal at it, the earlier ranks lower. A block is widened to whole rows to rank
+    them. The L1 rescale's pass keeps each block's mask (a bit an element, up to
+    CACHE_BYTES) for the output's pass, which then does not rank again."""
 
     needs_keys = False
-    costly = True
+    costly = True  # worth a second thread in the L1 pass, and keeping between passes
+    CACHE_BYTES = 64 << 20
 
     def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], densities: list[float],
                  epsilons: list[float], seed: int, keypath: str):
+        import numpy as np
+
         self._base, self._models = base, models
-        self._densities, self._epsilons, self._seed, self._keypath = densities, epsilons, seed, keypath
+        self._seed, self._keypath = seed, keypath
         shape = base.shape
         self._unit = math.prod(shape[1:]) if len(shape) >= 2 else max(1, base.size)  # one index of axis 0
         self._row = shape[1] if len(shape) >= 2 else max(1, base.size)  # the ranked axis' length
+        # Per model and rank, the keep probability times 2³² (float32 arithmetic, as mergekit's).
+        spread = (np.arange(self._row, dtype=np.float32) / np.float32(self._row - 1) if self._row > 1
+                  else np.zeros(1, np.float32))
+        self._thresholds = [((d - e) + spread * np.float32(2 * e)).astype(np.float64) * 2.0**32
+                            for d, e in zip(densities, epsilons)]
+        self._kept: dict[tuple[int, int, int], Any] = {}  # (model, start, stop) -> packed mask
+        self._room = self.CACHE_BYTES
+        self._lock = threading.Lock()
 
-    def mask(self, i: int, start: int, stop: int, space: Space, base_key):
+    def mask(self, i: int, start: int, stop: int, space: Space, base_key, remember: bool = False):
         import numpy as np
 
-        unit = self._unit
+        with self._lock:
+            packed = self._kept.pop((i, start, stop), None)
+            if packed is not None:
+                self._room += packed.nbytes
+        if packed is not None:
+            space.keep[...] = np.unpackbits(packed, count=stop - start).view(bool)
+            return space.keep
+        keep = self._compute(i, start, stop)
+        space.keep[...] = keep
+        if remember:
+            packed = np.packbits(keep)
+            with self._lock:
+                if packed.nbytes <= self._room:
+                    self._kept[i, start, stop] = packed
+                    self._room -= packed.nbytes
+        return space.keep
+
+    def _compute(self, i: int, start: int, stop: int):
+        import numpy as np
+
+        unit, row = self._unit, self._row
         lo, hi = start // unit * unit, min(self._base.size, -(-stop // unit) * unit)
         b, m = np.empty(hi - lo, self._base.dtype), np.empty(hi - lo, self._models[i].dtype)
         self._base.read_into(lo, hi, b)
         self._models[i].read_into(lo, hi, m)
         # Ranked by the magnitude's top 16 bits (its bfloat16 truncation: exact for a bf16
         # checkpoint), earlier first among equals: a radix sort of 16-bit keys ran 5.6 ns an
-        # element here, a comparison sort of float32 ones 31 ns. One sort: the ranks are
-        # scattered from it (mergekit sorts twice).
+        # element here, a comparison sort of float32 ones 31 ns.
         magnitude = np.abs(np.subtract(m, b, dtype=np.float32))
-        keys = np.right_shift(magnitude.view(np.uint32), 16).astype(np.uint16)
-        order = np.argsort(keys.reshape(-1, self._row, unit // self._row), axis=1, kind="stable")
-        ranks = np.empty(order.shape, np.float32)
-        np.put_along_axis(ranks, order, np.arange(self._row, dtype=np.float32).reshape(1, -1, 1), axis=1)
-        spread = ranks / np.float32(self._row - 1) if self._row > 1 else np.zeros(ranks.shape, np.float32)
-        density, epsilon = self._densities[i], self._epsilons[i]
-        probability = ((density - epsilon) + spread * (2 * epsilon)).reshape(-1)
-        coins = coin_bits(self._seed, self._keypath, i, lo, hi)
-        keep = coins[start - lo : stop - lo] < probability[start - lo : stop - lo] * 2.0**32
-        space.keep[...] = keep
-        return space.keep
+        keys = np.right_shift(magnitude.view(np.uint32), 16).astype(np.uint16).reshape(-1, row, unit // row)
+        order = np.argsort(keys, axis=1, kind="stable")
+        # The coins in rank order: whether the j-th smallest is kept is one comparison with the
+        # j-th place's coin, and the keeps go back to the elements' places in one scatter.
+        coins = coin_bits(self._seed, self._keypath, i, lo, hi).reshape(keys.shape)
+        kept_by_rank = coins < self._thresholds[i].reshape(1, -1, 1)
+        # Each place's element as an index into the block (a flat scatter ran 2x put_along_axis').
+        slabs, inner = keys.shape[0], keys.shape[2]
+        if inner > 1:
+            order *= inner
+        order += np.arange(0, slabs * unit, unit).reshape(-1, 1, 1) + np.arange(inner).reshape(1, 1, -1)
+        keep = np.empty(hi - lo, bool)
+        keep[order.reshape(-1)] = kept_by_rank.reshape(-1)
+        return keep[start - lo : stop - lo]
 
 
 class _L1Rescale:
@@ -713,7 +753,8 @@ class _L1Rescale:
                     model.read_into(start, stop, space.model)
                     np.copyto(d, space.model)
                     d -= space.base64
-                    keep = self._keeps.mask(i, start, stop, space, base_key)
+                    keep = (self._keeps.mask(i, start, stop, space, base_key, remember=True) if self._keeps.costly
+                            else self._keeps.mask(i, start, stop, space, base_key))
                     np.abs(d, out=d)
                     before = float(d.sum())
                     d *= keep  # (in place: a dot with the bool mask would cast it to a new array)

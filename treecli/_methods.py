@@ -36,49 +36,96 @@ Leaves = list  # of _leaf.ArrayLeaf, the base first where the method takes one
 # --- reading and writing -------------------------------------------------------------------------
 
 
-def _blocks(leaves: Leaves, unit: int = 1):
-    """``(start, stop, arrays)`` over the leaf in element order, each input's elements as
-    float64, in blocks of whole ``unit``s (rows) of about SUB_CHUNK elements."""
+def _step(unit: int) -> int:
+    """Elements a block holds: whole ``unit``s (rows), about SUB_CHUNK of them."""
+    return max(unit, SUB_CHUNK // unit * unit)
+
+
+def _read_block(leaves: Leaves, start: int, stop: int, buffers: list, spare: int) -> tuple[list, list]:
+    """Every input's elements ``[start, stop)`` as float64 and ``spare`` more float64
+    arrays of that length, all views of ``buffers`` (this thread's scratch: one for the raw
+    reads, one per input, the spares), free to overwrite."""
     import numpy as np
 
-    size = leaves[0].size
-    step = max(unit, SUB_CHUNK // unit * unit)
-    raws = [np.empty(min(step, size), leaf.dtype) for leaf in leaves]
-    for start in range(0, size, step):
+    n = stop - start
+    wide = [b.view(np.float64)[:n] for b in buffers[1:]]
+    for leaf, into in zip(leaves, wide):
+        if leaf.dtype == np.float64:
+            leaf.read_into(start, stop, into)
+        else:
+            raw = buffers[0].view(leaf.dtype)[:n]
+            leaf.read_into(start, stop, raw)
+            np.copyto(into, raw)
+    return wide[: len(leaves)], wide[len(leaves) : len(leaves) + spare]
+
+
+def _flags(spare, count: int) -> list:
+    """Up to eight boolean arrays of the block's length, packed into one spare float64 array."""
+    n = spare.size
+    return [spare.view(bool)[j * n : (j + 1) * n] for j in range(count)]
+
+
+def _sum_into(arrays: list, out) -> Any:
+    """``out`` := the arrays' sum, added in order."""
+    import numpy as np
+
+    np.copyto(out, arrays[0])
+    for x in arrays[1:]:
+        out += x
+    return out
+
+
+def _scan(leaves: Leaves, visit: Callable[[int, int, list, list], Any], unit: int = 1, spare: int = 0) -> list:
+    """One pass over the leaf: ``visit(start, stop, arrays, spares)`` for each block (see
+    ``_read_block``), on two threads; what the visits returned, in block order (so that
+    a sum of them is the same bytes whichever thread did which block)."""
+    size, step = leaves[0].size, _step(unit)
+    starts = range(0, size, step)
+    results: dict[int, Any] = {}
+
+    def visit_block(start: int) -> None:
         stop = min(size, start + step)
-        arrays = []
-        for leaf, raw in zip(leaves, raws):
-            leaf.read_into(start, stop, raw[: stop - start])
-            arrays.append(raw[: stop - start].astype(np.float64))
-        yield start, stop, arrays
+        with _combine.scratch_buffers(len(leaves) + 1 + spare, step) as buffers:
+            results[start] = visit(start, stop, *_read_block(leaves, start, stop, buffers, spare))
+
+    stream.each_on_two_threads(visit_block, starts)
+    return [results[start] for start in starts]
 
 
 def _output_leaf(leaves: Leaves, keypath: str, report: AverageReport,
-                 compute: Callable[[int, int, list], Any], unit: int = 1) -> _leaf.ComputedLeaf:
-    """A leaf of the base's shape and dtype whose elements ``compute(start, stop, arrays)``
-    gives in float64 from every input's elements there; ``start`` and ``stop`` fall on
-    whole ``unit``s (a chunk that does not is widened to them, and cut back)."""
+                 compute: Callable[[int, int, list, list], Any], unit: int = 1, spare: int = 0,
+                 measure: Callable[[], Any] | None = None) -> _leaf.ComputedLeaf:
+    """A leaf of the base's shape and dtype whose elements ``compute(start, stop, arrays,
+    spares)`` gives in float64 (see ``_read_block``; it may return one of those arrays)
+    from every input's elements there; ``start`` and ``stop`` fall on whole ``unit``s (a
+    chunk that does not is widened to them, and cut back). ``measure()`` (a ``_Once``)
+    gathers the statistics of the whole leaf that ``compute`` uses, called before a
+    chunk's blocks go to two threads: called from a block, its own pass would run on one
+    (the helper thread waiting for it)."""
     import numpy as np
 
     first = leaves[0]
-    step = max(unit, SUB_CHUNK // unit * unit)
+    step = _step(unit)
 
     def fill(start: int, stop: int, out) -> None:
         lo, hi = start // unit * unit, min(first.size, -(-stop // unit) * unit)
-        arrays = []
-        for leaf in leaves:
-            raw = np.empty(hi - lo, leaf.dtype)
-            leaf.read_into(lo, hi, raw)
-            arrays.append(raw.astype(np.float64))
-        result = compute(lo, hi, arrays)[start - lo : stop - lo]
-        bad = result.size - int(np.count_nonzero(np.isfinite(result)))
-        if bad:
-            with report._lock:
-                report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
-        with np.errstate(over="ignore", invalid="ignore"):
-            out[...] = result  # round to nearest even into the leaf's dtype
+        with _combine.scratch_buffers(len(leaves) + 1 + spare, step) as buffers:
+            for block in range(lo, hi, step):
+                end = min(hi, block + step)
+                result = compute(block, end, *_read_block(leaves, block, end, buffers, spare))
+                a, b = max(block, start), min(end, stop)
+                part = result[a - block : b - block]
+                if not np.isfinite(np.add.reduce(part)):  # one sum; the count only where it is not finite
+                    bad = part.size - int(np.count_nonzero(np.isfinite(part)))
+                    if bad:
+                        with report._lock:
+                            report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
+                with np.errstate(over="ignore", invalid="ignore"):
+                    out[a - start : b - start] = part  # round to nearest even into the leaf's dtype
 
     def fill_chunk(start: int, stop: int, out) -> None:
+        if measure is not None:
+            measure()
         stream.on_two_threads(fill, start, stop, out, step)
 
     return _leaf.ComputedLeaf(first.shape, first.dtype, fill=fill_chunk, inputs=leaves)
@@ -101,6 +148,8 @@ def weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, name
               report: AverageReport, unit: int | None = None) -> _leaf.ComputedLeaf:
     """``Σ cᵢ · inputᵢ`` with the coefficients measured on first read: one set for the leaf
     (``unit`` None), or one row of them per ``unit`` elements."""
+    import numpy as np
+
     once = _Once(coefficients)
     if unit is None:
         whole = _Once(lambda: _combine.averaged_leaf(leaves, [float(c) for c in once()], leaves[0].dtype_name,
@@ -108,12 +157,17 @@ def weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, name
         return _leaf.ComputedLeaf(leaves[0].shape, leaves[0].dtype,
                                   fill=lambda start, stop, out: whole().read_into(start, stop, out), inputs=leaves)
 
-    def compute(start: int, stop: int, arrays: list):
+    def compute(start: int, stop: int, arrays: list, spares: list):
         rows = once()[start // unit : stop // unit]  # (rows, inputs)
-        total = sum(x.reshape(-1, unit) * rows[:, [i]] for i, x in enumerate(arrays))
-        return total.reshape(-1)
+        total = spares[0].reshape(-1, unit)
+        np.multiply(arrays[0].reshape(-1, unit), rows[:, [0]], out=total)
+        for i, x in enumerate(arrays[1:], 1):
+            shaped = x.reshape(-1, unit)
+            shaped *= rows[:, [i]]
+            total += shaped
+        return spares[0]
 
-    return _output_leaf(leaves, keypath, report, compute, unit)
+    return _output_leaf(leaves, keypath, report, compute, unit, spare=1, measure=once)
 
 
 def _row_length(shape: tuple) -> int:
@@ -131,42 +185,27 @@ def inner_products(leaves: Leaves, base: bool, unit: int | None = None):
     2.5-3.7 s instead of 1.5-1.8 s."""
     import numpy as np
 
-    size, k = leaves[0].size, len(leaves) - (1 if base else 0)
-    step = max(unit or 1, SUB_CHUNK // (unit or 1) * (unit or 1))
-    gram = np.zeros((1 if unit is None else size // unit, k, k))
-    partials: dict[int, Any] = {}
+    k = len(leaves) - (1 if base else 0)
     pairs = [(i, j) for i in range(k) for j in range(i, k)]
 
-    def add(start: int) -> None:
-        stop = min(size, start + step)
-        n = stop - start
-        with _combine.scratch_buffers(len(leaves) + 1, step) as buffers:
-            wide = [b.view(np.float64)[:n] for b in buffers[1:]]
-            for leaf, into in zip(leaves, wide):
-                raw = buffers[0].view(leaf.dtype)[:n]
-                leaf.read_into(start, stop, raw)
-                np.copyto(into, raw)
-            vectors = wide[1:] if base else wide
-            if base:
-                for v in vectors:
-                    v -= wide[0]
-            if unit is None:
-                block = np.zeros((k, k))
-                for i, j in pairs:
-                    block[i, j] = block[j, i] = np.einsum("n,n->", vectors[i], vectors[j])
-                partials[start] = block
-            else:
-                rows = gram[start // unit : stop // unit]
-                shaped = [v.reshape(-1, unit) for v in vectors]
-                for i, j in pairs:
-                    rows[:, i, j] = rows[:, j, i] = np.einsum("rn,rn->r", shaped[i], shaped[j])
+    def products(start: int, stop: int, arrays: list, _spares: list):
+        vectors = arrays[1:] if base else arrays
+        if base:
+            for v in vectors:
+                v -= arrays[0]
+        shaped = [v.reshape(-1, unit or v.size) for v in vectors]
+        block = np.zeros((shaped[0].shape[0], k, k))
+        for i, j in pairs:
+            block[:, i, j] = block[:, j, i] = np.einsum("rn,rn->r", shaped[i], shaped[j])
+        return block
 
-    stream.each_on_two_threads(add, range(0, size, step))
+    blocks = _scan(leaves, products, unit or 1)
     if unit is not None:
-        return gram
-    for start in sorted(partials):
-        gram[0] += partials[start]
-    return gram[0]
+        return np.concatenate(blocks) if blocks else np.zeros((0, k, k))
+    gram = np.zeros((k, k))
+    for block in blocks:
+        gram += block[0]
+    return gram
 
 
 def _norms(gram):
@@ -251,21 +290,33 @@ def nuslerp(leaves: Leaves, base: bool, weights: list[float], row_wise: bool, fl
     # Vectors along the first axis (mergekit transposes it last): one per column of the rest.
     width = leaves[0].size // shape[0]
 
+    pairs = [(0, 0), (0, 1), (1, 1)]
+
+    def column_products(start: int, stop: int, arrays: list, _spares: list):
+        vectors = [x - arrays[0] for x in arrays[1:]] if base else arrays
+        shaped = [v.reshape(-1, width) for v in vectors]
+        return np.stack([np.einsum("rc,rc->c", shaped[i], shaped[j]) for i, j in pairs], axis=-1)
+
     def column_factors():
-        gram = np.zeros((width, 2, 2))
-        for _, _, arrays in _blocks(leaves, width):
-            vectors = [(x - arrays[0]) if base else x for x in (arrays[1:] if base else arrays)]
-            stacked = np.stack([v.reshape(-1, width) for v in vectors])
-            gram += np.einsum("irc,jrc->cij", stacked, stacked)
+        sums = np.zeros((width, len(pairs)))
+        for block in _scan(leaves, column_products, width):
+            sums += block
+        gram = np.stack([sums[:, [0, 1]], sums[:, [1, 2]]], axis=1)  # (width, 2, 2)
         return factors(gram)
 
     once = _Once(column_factors)
 
-    def compute(start: int, stop: int, arrays: list):
+    def compute(start: int, stop: int, arrays: list, spares: list):
         c = once()  # (width, inputs)
-        return sum(x.reshape(-1, width) * c[:, i] for i, x in enumerate(arrays)).reshape(-1)
+        total = spares[0].reshape(-1, width)
+        np.multiply(arrays[0].reshape(-1, width), c[:, 0], out=total)
+        for i, x in enumerate(arrays[1:], 1):
+            shaped = x.reshape(-1, width)
+            shaped *= c[:, i]
+            total += shaped
+        return spares[0]
 
-    return _output_leaf(leaves, keypath, report, compute, width)
+    return _output_leaf(leaves, keypath, report, compute, width, spare=1, measure=once)
 
 
 def karcher(leaves: Leaves, max_iter: int, tol: float, keypath: str, names: list[str],
@@ -346,12 +397,20 @@ def nearswap(leaves: Leaves, t: float, keypath: str, report: AverageReport) -> _
     apart a step of ``t`` toward it: ``w = clip(t / |a − b|, 0, 1)``, ``w·b + (1 − w)·a``."""
     import numpy as np
 
-    def compute(start: int, stop: int, arrays: list):
-        a, b = arrays
-        weight = np.clip(t / np.maximum(np.abs(a - b), 1e-6), 0.0, 1.0)
-        return weight * b + (1.0 - weight) * a
+    def compute(start: int, stop: int, arrays: list, spares: list):
+        (a, b), (weight,) = arrays, spares
+        np.subtract(a, b, out=weight)
+        np.abs(weight, out=weight)
+        np.maximum(weight, 1e-6, out=weight)
+        np.divide(t, weight, out=weight)
+        np.clip(weight, 0.0, 1.0, out=weight)
+        b *= weight
+        np.subtract(1.0, weight, out=weight)
+        a *= weight
+        a += b
+        return a
 
-    return _output_leaf(leaves, keypath, report, compute)
+    return _output_leaf(leaves, keypath, report, compute, spare=1)
 
 
 def ram(leaves: Leaves, epsilon: float, keypath: str, report: AverageReport, *, plus: bool = False,
@@ -362,90 +421,158 @@ def ram(leaves: Leaves, epsilon: float, keypath: str, report: AverageReport, *, 
     ``ρ`` its shared over its unique elements in the leaf."""
     import numpy as np
 
-    def contributions(arrays: list):
-        deltas = [x - arrays[0] for x in arrays[1:]]
-        present = [np.abs(d) > epsilon for d in deltas]
-        return deltas, present, sum(p.astype(np.int64) for p in present)
+    k = len(leaves) - 1
+    flag_spares = -(-(k + 1) // 8)  # each model's mask, and where one model alone contributes
+
+    def contributions(arrays: list, spares: list) -> tuple[list, Any, Any]:
+        """The models' task vectors in place of the models, zero where not above epsilon (as
+        mergekit, a NaN stays); their masks; how many models contribute to each element."""
+        base, deltas = arrays[0], arrays[1:]
+        magnitude, count = spares[:2]
+        flags = [f for spare in spares[2:] for f in _flags(spare, 8)]
+        count[...] = 0.0
+        for d, mask in zip(deltas, flags):
+            d -= base
+            np.abs(d, out=magnitude)
+            np.greater(magnitude, epsilon, out=mask)
+            d *= mask
+            count += mask
+        np.equal(count, 1.0, out=flags[k])
+        return flags[:k], flags[k], count
 
     def measure():
-        shared, unique = np.zeros(len(leaves) - 1), np.zeros(len(leaves) - 1)
-        for _, _, arrays in _blocks(leaves):
-            _, present, counts = contributions(arrays)
-            for i, p in enumerate(present):
-                shared[i] += np.count_nonzero(p & (counts > 1))
-                unique[i] += np.count_nonzero(p & (counts == 1))
+        def counts(start: int, stop: int, arrays: list, spares: list):
+            masks, alone, _ = contributions(arrays, spares)
+            present = [np.count_nonzero(mask) for mask in masks]
+            unique = [np.count_nonzero(np.logical_and(mask, alone, out=mask)) for mask in masks]
+            return np.array([present, unique], np.float64)
+
+        present, unique = sum(_scan(leaves, counts, spare=2 + flag_spares), np.zeros((2, k)))
+        shared = present - unique
         return 1.0 + r * np.clip(shared / np.maximum(unique, epsilon), 0.0, alpha)
 
     scales = _Once(measure) if plus else None
 
-    def compute(start: int, stop: int, arrays: list):
-        deltas, present, counts = contributions(arrays)
-        overlap = 1.0 / np.maximum(counts, 1)
-        total = np.copy(arrays[0])
-        for i, (d, p) in enumerate(zip(deltas, present)):
-            share = np.where(counts == 1, scales()[i], overlap) if plus else overlap
-            total += np.where(p, d * share, 0.0)
+    def compute(start: int, stop: int, arrays: list, spares: list):
+        _, alone, count = contributions(arrays, spares)
+        deltas, total = arrays[1:], spares[0]
+        _sum_into(deltas, total)
+        np.maximum(count, 1.0, out=count)
+        total /= count  # the mean where several contribute, the value where one does
+        if plus:  # where one contributes: its value scaled by its model's factor
+            for d, scale in zip(deltas, scales()):
+                d *= scale
+            _sum_into(deltas, count)
+            np.copyto(total, count, where=alone)
+        total += arrays[0]
         return total
 
-    return _output_leaf(leaves, keypath, report, compute)
+    return _output_leaf(leaves, keypath, report, compute, spare=2 + flag_spares, measure=scales)
 
 
 def sce(leaves: Leaves, select_topk: float, keypath: str, report: AverageReport) -> _leaf.ComputedLeaf:
     """Select, Calculate, Erase: keep the ``select_topk`` fraction of elements whose task
     vectors vary most across the models (of those that vary at all), weight each model by
-    its mean squared task vector over the leaf, erase the values against the elected sign."""
+    its mean squared task vector over the leaf, erase the values against the elected sign.
+    The selection is TIES' streaming exact one (``_selection.Trims``) ranking the float32
+    variances; a pass before it counts those that are not zero."""
     import numpy as np
 
-    size = leaves[0].size
+    from treecli._selection import Trims
+
+    k, size = len(leaves) - 1, leaves[0].size
+
+    def deltas_and_keys(arrays: list, spares: list):
+        """The task vectors in place of the models, and their variances as float32 bit
+        patterns (sign cleared: NaN ranks above inf) in ``spares[0]``, as NumPy's ``var``
+        computes them (the mean first, then the mean square from it); three spares used."""
+        mean, square, variance = spares[:3]
+        deltas = arrays[1:]
+        for d in deltas:
+            d -= arrays[0]
+        _sum_into(deltas, mean)
+        mean /= k
+        for i, d in enumerate(deltas):
+            np.subtract(d, mean, out=square if i else variance)
+            if i:
+                square *= square
+                variance += square
+            else:
+                variance *= variance
+        variance /= k
+        keys = mean.view(np.float32)[: mean.size]
+        np.copyto(keys, variance, casting="unsafe")
+        bits = keys.view(np.uint32)
+        np.bitwise_and(bits, 0x7FFFFFFF, out=bits)
+        return deltas, bits
+
+    def count_varying() -> int:
+        return sum(_scan(leaves, lambda start, stop, arrays, spares: int(np.count_nonzero(
+            deltas_and_keys(arrays, spares)[1])), spare=3))
 
     def select():
-        """The float32 variance keys' threshold and the offset where keys equal to it stop
-        being kept (the first in element order are kept), or None: keep everything."""
+        """The selection among the varying elements, or None: keep everything."""
         if select_topk >= 1:
             return None
-        keys = np.empty(size, np.float32)
-        for start, stop, arrays in _blocks(leaves):
-            keys[start:stop] = np.var(np.stack([x - arrays[0] for x in arrays[1:]]), axis=0)
-        k = int(np.count_nonzero(keys) * select_topk)
-        if k == 0:
-            return (np.inf, 0)
-        threshold = np.partition(keys, size - k)[size - k]
-        above = int(np.count_nonzero(keys > threshold))
-        ties = np.flatnonzero(keys == threshold)
-        return (threshold, int(ties[k - above]) if k - above < ties.size else size)
+        kept = int(count_varying() * select_topk)
+
+        def variance_keys(start: int, stop: int, space, which):
+            keys = space.key.view(np.uint32)[: stop - start]
+            with _combine.scratch_buffers(len(leaves) + 4, SUB_CHUNK) as buffers:
+                for lo in range(start, stop, SUB_CHUNK):
+                    hi = min(stop, lo + SUB_CHUNK)
+                    keys[lo - start : hi - start] = deltas_and_keys(*_read_block(leaves, lo, hi, buffers, 3))[1]
+            yield 0, keys
+
+        return Trims(leaves[0], [leaves[0]], [kept], keys=variance_keys)
 
     selection = _Once(lambda: (select(),))
 
-    def deltas_at(start: int, stop: int, arrays: list) -> list:
-        deltas = [x - arrays[0] for x in arrays[1:]]
-        chosen = selection()[0]
-        if chosen is not None:
-            threshold, cut = chosen
-            stacked = np.stack(deltas)
-            variance = np.var(stacked, axis=0).astype(np.float32)
-            keep = (variance > threshold) | ((variance == threshold) & (np.arange(start, stop) < cut))
-            deltas = [d * keep for d in deltas]
+    def selected(start: int, stop: int, arrays: list, spares: list) -> list:
+        """The task vectors, zero where the selection drops them; three spares used."""
+        deltas, keys = deltas_and_keys(arrays, spares)
+        trims = selection()[0]
+        if trims is not None:
+            keep = _flags(spares[1], 1)[0]
+            trims.keep(0, start, stop, keys, keep)
+            for d in deltas:
+                d *= keep
         return deltas
 
     def measure_weights():
-        squares = np.zeros(len(leaves) - 1)
-        for start, stop, arrays in _blocks(leaves):
-            for i, d in enumerate(deltas_at(start, stop, arrays)):
-                squares[i] += float(np.einsum("n,n->", d, d))
+        selection()  # before this pass: measured from one of its blocks, its passes would run on one thread
+        squares = sum(_scan(leaves, lambda start, stop, arrays, spares: np.array(
+            [np.einsum("n,n->", d, d) for d in selected(start, stop, arrays, spares)]), spare=3), np.zeros(k))
         means = squares / max(size, 1)
         total = float(means.sum())
-        return np.full(means.size, 1.0 / means.size) if abs(total) < 1e-6 else means / total
+        return np.full(k, 1.0 / k) if abs(total) < 1e-6 else means / total
 
     weights = _Once(measure_weights)
 
-    def compute(start: int, stop: int, arrays: list):
-        deltas = deltas_at(start, stop, arrays)
-        majority = np.where(sum(deltas) >= 0, 1.0, -1.0)
-        erased = [w * (np.sign(d) == majority) for w, d in zip(weights(), deltas)]
-        mixed = sum(d * e for d, e in zip(deltas, erased))
-        return arrays[0] + mixed / np.maximum(sum(erased), 1e-6)
+    def compute(start: int, stop: int, arrays: list, spares: list):
+        deltas = selected(start, stop, arrays, spares)
+        majority, agree, numerator, denominator = spares
+        _sum_into(deltas, majority)
+        elected = _flags(agree, 1)[0]
+        np.greater_equal(majority, 0.0, out=elected)
+        np.multiply(elected, 2.0, out=majority)
+        majority -= 1.0  # the elected sign: +1 where the task vectors' sum is >= 0, else -1
+        for i, (d, weight) in enumerate(zip(deltas, weights())):
+            np.sign(d, out=agree)
+            np.equal(agree, majority, out=agree)
+            agree *= weight  # the model's weight where its sign is the elected one, else 0
+            if i:
+                denominator += agree
+            else:
+                np.copyto(denominator, agree)
+            d *= agree
+        _sum_into(deltas, numerator)
+        np.maximum(denominator, 1e-6, out=denominator)
+        numerator /= denominator
+        numerator += arrays[0]
+        return numerator
 
-    return _output_leaf(leaves, keypath, report, compute)
+    return _output_leaf(leaves, keypath, report, compute, spare=4, measure=weights)
 
 
 def arcee_fusion(leaves: Leaves, keypath: str, report: AverageReport) -> _leaf.ComputedLeaf:
@@ -459,37 +586,52 @@ def arcee_fusion(leaves: Leaves, keypath: str, report: AverageReport) -> _leaf.C
     size = leaves[0].size
     sample_size = 1_000_000
 
-    def divergences(base_rows, model_rows):
-        def softmax(x):
-            e = np.exp(x - x.max(axis=-1, keepdims=True))
-            return e / e.sum(axis=-1, keepdims=True) + 1e-8
+    def softmax(rows, out):
+        """``softmax(rows) + 1e-8`` per row, into ``out`` (mergekit's, the 1e-8 after)."""
+        np.subtract(rows, rows.max(axis=-1, keepdims=True), out=out)
+        np.exp(out, out=out)
+        out /= out.sum(axis=-1, keepdims=True)
+        out += 1e-8
+        return out
 
-        p, q = softmax(model_rows), softmax(base_rows)
-        return np.sum(p * np.log(p / q), axis=-1)
+    def importances(b, m, rows, out):
+        """``|m − b|`` times each row's divergence, into ``out``."""
+        np.subtract(m, b, out=out)
+        np.abs(out, out=out)
+        shaped = out.reshape(-1, unit)
+        shaped *= rows[:, None]
+        return out
+
+    def divergences(start: int, stop: int, arrays: list, spares: list):
+        """Each row's ``KL(softmax(m) ‖ softmax(b))``, and the sampled importances in the block."""
+        (b, m), (p, q) = arrays, spares
+        p, q = softmax(m.reshape(-1, unit), p.reshape(-1, unit)), softmax(b.reshape(-1, unit), q.reshape(-1, unit))
+        np.divide(p, q, out=q)
+        np.log(q, out=q)
+        q *= p
+        rows = q.sum(axis=-1)
+        importance = importances(b, m, rows, spares[0])
+        if size <= sample_size:
+            return rows, importance.copy()
+        # The sample: elements ⌊i·size / sample_size⌋, those of them in [start, stop).
+        first, last = -(-start * sample_size // size), -(-stop * sample_size // size)
+        return rows, importance[np.arange(first, last) * size // sample_size - start]
 
     def measure():
-        rows = np.zeros(max(1, size // unit))
-        picks = None if size <= sample_size else (np.arange(sample_size) * size) // sample_size
-        scores = []
-        for start, stop, (b, m) in _blocks(leaves, unit):
-            kl = divergences(b.reshape(-1, unit), m.reshape(-1, unit))
-            rows[start // unit : stop // unit] = kl
-            importance = (np.abs(m - b).reshape(-1, unit) * kl[:, None]).reshape(-1)
-            if picks is None:
-                scores.append(importance)
-            else:
-                inside = picks[(picks >= start) & (picks < stop)]
-                scores.append(importance[inside - start])
-        ordered = np.sort(np.concatenate(scores)) if scores else np.zeros(1)
-        q1, median, q3 = (ordered[int(q * (ordered.size - 1))] for q in (0.25, 0.5, 0.75))
+        found = _scan(leaves, divergences, unit, spare=2)
+        rows = np.concatenate([r for r, _ in found]) if found else np.zeros(0)
+        scores = np.concatenate([scores for _, scores in found]) if found else np.zeros(1)
+        at = [int(q * (scores.size - 1)) for q in (0.25, 0.5, 0.75)]
+        q1, median, q3 = np.partition(scores, at)[at]  # those places of the sorted scores, without a sort
         return rows, median + 1.5 * (q3 - q1)
 
     once = _Once(measure)
 
-    def compute(start: int, stop: int, arrays: list):
-        b, m = arrays
+    def compute(start: int, stop: int, arrays: list, spares: list):
+        (b, m), (importance,) = arrays, spares
         rows, threshold = once()
-        importance = np.abs(m - b).reshape(-1, unit) * rows[start // unit : stop // unit, None]
-        return np.where(importance.reshape(-1) >= threshold, m, b)
+        importances(b, m, rows[start // unit : stop // unit], importance)
+        np.copyto(b, m, where=importance >= threshold)
+        return b
 
-    return _output_leaf(leaves, keypath, report, compute, unit)
+    return _output_leaf(leaves, keypath, report, compute, unit, spare=1, measure=once)
