@@ -119,12 +119,12 @@ class _Parser:
         for key in data:
             if not isinstance(key, str):
                 raise self.fail(path, f"key {key!r} is not a string")
+            at = f"{path}.{key}" if path else key
             if key in IGNORED and key in allowed:
-                self.warnings.append(f"{self.where}: {path}.{key} is ignored: {IGNORED[key]}".replace(": .", ": "))
+                self.warnings.append(f"{self.where}: {at} is ignored: {IGNORED[key]}")
             elif key not in allowed:
                 near = closest(key, allowed, limit=1)
-                raise self.fail(f"{path}.{key}".lstrip("."), "unknown key" + (f"; did you mean {near[0]!r}?"
-                                                                                if near else ""))
+                raise self.fail(at, "unknown key" + (f"; did you mean {near[0]!r}?" if near else ""))
         return data
 
     def config(self, data: Any) -> MergeConfig:

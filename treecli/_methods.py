@@ -14,9 +14,13 @@ gathers it, on first read, then a second writes the output, block by block:
   products, per leaf or per row): every mean, tangent and iteration of mergekit's is a
   linear combination of the inputs, so it is carried out on ``k`` coefficients instead
   of on whole tensors, and the output is that weighted sum, streamed like ``average``;
-- ``sce`` with ``select_topk < 1`` holds one float32 array the size of the leaf (the
-  per-element variance it ranks); ``arcee_fusion`` holds one float per row and a sample
-  of at most 1M importance scores (mergekit samples 1M too, at random; here evenly).
+- ``sce`` with ``select_topk < 1`` counts the elements whose task vectors vary, then
+  ranks their variances by TIES' streaming exact selection (``_selection.Trims``);
+  ``arcee_fusion`` holds one float per row and a sample of at most 1M importance scores
+  (mergekit samples 1M too, at random; here evenly).
+
+Every pass reads a block of each input into this thread's scratch buffers and works in
+place there (``_scan``, ``_output_leaf``), on two threads.
 """
 
 from __future__ import annotations
@@ -75,6 +79,20 @@ def _sum_into(arrays: list, out) -> Any:
     return out
 
 
+def _weighted_sum(arrays: list, coefficients: list, width: int, out) -> Any:
+    """``out`` := ``Σ xᵢ · cᵢ``, each ``xᵢ`` taken as rows of ``width`` (``cᵢ`` broadcast
+    against them: one per row, or one per column); the arrays are overwritten."""
+    import numpy as np
+
+    total = out.reshape(-1, width)
+    np.multiply(arrays[0].reshape(-1, width), coefficients[0], out=total)
+    for x, c in zip(arrays[1:], coefficients[1:]):
+        shaped = x.reshape(-1, width)
+        shaped *= c
+        total += shaped
+    return out
+
+
 def _scan(leaves: Leaves, visit: Callable[[int, int, list, list], Any], unit: int = 1, spare: int = 0) -> list:
     """One pass over the leaf: ``visit(start, stop, arrays, spares)`` for each block (see
     ``_read_block``), on two threads; what the visits returned, in block order (so that
@@ -115,12 +133,12 @@ def _output_leaf(leaves: Leaves, keypath: str, report: AverageReport,
                 result = compute(block, end, *_read_block(leaves, block, end, buffers, spare))
                 a, b = max(block, start), min(end, stop)
                 part = result[a - block : b - block]
-                if not np.isfinite(np.add.reduce(part)):  # one sum; the count only where it is not finite
-                    bad = part.size - int(np.count_nonzero(np.isfinite(part)))
-                    if bad:
-                        with report._lock:
-                            report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
                 with np.errstate(over="ignore", invalid="ignore"):
+                    if not np.isfinite(np.add.reduce(part)):  # one sum; a count only where it is not finite
+                        bad = part.size - int(np.count_nonzero(np.isfinite(part)))
+                        if bad:
+                            with report._lock:
+                                report.nonfinite_outputs[keypath] = report.nonfinite_outputs.get(keypath, 0) + bad
                     out[a - start : b - start] = part  # round to nearest even into the leaf's dtype
 
     def fill_chunk(start: int, stop: int, out) -> None:
@@ -148,8 +166,6 @@ def weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, name
               report: AverageReport, unit: int | None = None) -> _leaf.ComputedLeaf:
     """``Σ cᵢ · inputᵢ`` with the coefficients measured on first read: one set for the leaf
     (``unit`` None), or one row of them per ``unit`` elements."""
-    import numpy as np
-
     once = _Once(coefficients)
     if unit is None:
         whole = _Once(lambda: _combine.averaged_leaf(leaves, [float(c) for c in once()], leaves[0].dtype_name,
@@ -159,13 +175,7 @@ def weighted(leaves: Leaves, coefficients: Callable[[], Any], keypath: str, name
 
     def compute(start: int, stop: int, arrays: list, spares: list):
         rows = once()[start // unit : stop // unit]  # (rows, inputs)
-        total = spares[0].reshape(-1, unit)
-        np.multiply(arrays[0].reshape(-1, unit), rows[:, [0]], out=total)
-        for i, x in enumerate(arrays[1:], 1):
-            shaped = x.reshape(-1, unit)
-            shaped *= rows[:, [i]]
-            total += shaped
-        return spares[0]
+        return _weighted_sum(arrays, [rows[:, [i]] for i in range(len(arrays))], unit, spares[0])
 
     return _output_leaf(leaves, keypath, report, compute, unit, spare=1, measure=once)
 
@@ -308,13 +318,7 @@ def nuslerp(leaves: Leaves, base: bool, weights: list[float], row_wise: bool, fl
 
     def compute(start: int, stop: int, arrays: list, spares: list):
         c = once()  # (width, inputs)
-        total = spares[0].reshape(-1, width)
-        np.multiply(arrays[0].reshape(-1, width), c[:, 0], out=total)
-        for i, x in enumerate(arrays[1:], 1):
-            shaped = x.reshape(-1, width)
-            shaped *= c[:, i]
-            total += shaped
-        return spares[0]
+        return _weighted_sum(arrays, [c[:, i] for i in range(len(arrays))], width, spares[0])
 
     return _output_leaf(leaves, keypath, report, compute, width, spare=1, measure=once)
 
@@ -610,12 +614,12 @@ def arcee_fusion(leaves: Leaves, keypath: str, report: AverageReport) -> _leaf.C
         np.log(q, out=q)
         q *= p
         rows = q.sum(axis=-1)
-        importance = importances(b, m, rows, spares[0])
         if size <= sample_size:
-            return rows, importance.copy()
+            return rows, importances(b, m, rows, spares[0]).copy()
         # The sample: elements ⌊i·size / sample_size⌋, those of them in [start, stop).
         first, last = -(-start * sample_size // size), -(-stop * sample_size // size)
-        return rows, importance[np.arange(first, last) * size // sample_size - start]
+        at = np.arange(first, last) * size // sample_size - start
+        return rows, np.abs(m[at] - b[at]) * rows[at // unit]
 
     def measure():
         found = _scan(leaves, divergences, unit, spare=2)
