@@ -11,11 +11,13 @@ base, against references measured in the same run:
       For every method but the random ones (dare_*, della*) the largest difference
       between the two outputs is reported.
 
-    python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH]
+    python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH] [--mergekit-runs 3]
 
-Wall time is the median of --runs (mergekit: one run), with the range of the method's
-time over the average of its own inputs turn by turn; peak RSS is the child's ru_maxrss
-(for mergekit, that of the process it starts). Page cache warm for all.
+Wall time is the median of --runs (mergekit's of --mergekit-runs, default 1: a run of it
+takes minutes for some methods, and its times vary by a third from run to run), with
+the range of the method's time over the average of its own inputs turn by turn; peak
+RSS is the child's ru_maxrss (for mergekit, that of the process it starts). Page cache
+warm for all.
 Targets (issues 18, 35): every method >= 5x faster than mergekit's; TIES <= 3x the time of
 `average` on the same inputs; peak RSS <= 200 MB and flat when the model doubles (--gib 2).
 """
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--mergekit", default=shutil.which("mergekit-pytorch"), help="mergekit-pytorch to run")
+    parser.add_argument("--mergekit-runs", type=int, default=1, help="mergekit's time is the median of these")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         tmp = Path(tmp)
@@ -166,7 +169,9 @@ def main() -> None:
                     f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s; turn by turn "
                     f"{min(turns):.2f}-{max(turns):.2f}x)")
             if args.mergekit:
-                theirs = run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
+                runs = [run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
+                        for _ in range(args.mergekit_runs)]
+                theirs = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 line += (f"   mergekit {theirs['seconds']:.2f}s {theirs['rss_mb']:.0f}MB: "
                          f"{theirs['seconds'] / ours['seconds']:.1f}x slower")
                 if method not in RANDOM:

@@ -358,6 +358,18 @@ def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
             assert np.isfinite(out.astype(np.float64)).all() and not report.warnings(), (method, shape, dtype)
 
 
+@pytest.mark.parametrize("method", ["dare_ties", "della_linear"])
+def test_masks_kept_between_the_l1_pass_and_the_output_or_made_again_merge_alike(method, monkeypatch):
+    base, ms = family(shape=(300, 1000), count=2)  # three blocks of each model's mask
+    kept, _ = merged(method, base, ms, density=0.5, seed=3)
+    monkeypatch.setattr(_merge._KeptMasks, "CACHE_BYTES", 20_000)  # under a leaf's masks: the oldest go
+    some, _ = merged(method, base, ms, density=0.5, seed=3)
+    monkeypatch.setattr(_merge._KeptMasks, "CACHE_BYTES", 0)  # none kept: every mask made twice
+    none, _ = merged(method, base, ms, density=0.5, seed=3)
+    assert kept.tobytes() == some.tobytes() == none.tobytes()
+    assert 0.4 < np.mean(kept != base) < 0.9
+
+
 @pytest.mark.parametrize("shape", [(37, 129), (5, 129, 7)])
 def test_della_coins_are_the_same_whatever_the_chunking(shape):
     base, (m,) = family(shape=shape, count=1)

@@ -33,8 +33,10 @@ same bytes whatever the chunk size or thread count.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import itertools
 import math
 import threading
 from dataclasses import dataclass
@@ -595,12 +597,52 @@ def _keeps(spec: Method, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], p
     return _DareKeeps(densities, seed, keypath)
 
 
+class _KeptMasks:
+    """The masks an L1 rescale's pass made, packed (a bit an element), for the output's
+    pass over the same blocks: it takes each once instead of making it again (DARE's
+    coins, DELLA's ranking). At most CACHE_BYTES are kept, across every leaf of the
+    process: when more come, the oldest go (those of a leaf whose output was written by
+    another process, or in other blocks), and are made again if asked for."""
+
+    CACHE_BYTES = 64 << 20
+    _packed: collections.OrderedDict = collections.OrderedDict()  # (owner, model, start, stop) -> bits
+    _bytes = 0
+    _lock = threading.Lock()
+    _owners = itertools.count()
+
+    def __init__(self):
+        self._owner = next(self._owners)
+
+    def take(self, key: tuple[int, int, int], out) -> bool:
+        """Into ``out``, the mask kept for ``key``, forgetting it; False when none is."""
+        import numpy as np
+
+        with _KeptMasks._lock:
+            packed = self._packed.pop((self._owner, *key), None)
+            if packed is None:
+                return False
+            _KeptMasks._bytes -= packed.nbytes
+        out[...] = np.unpackbits(packed, count=out.size).view(bool)
+        return True
+
+    def keep(self, key: tuple[int, int, int], mask) -> None:
+        import numpy as np
+
+        packed = np.packbits(mask)
+        with _KeptMasks._lock:
+            while self._packed and _KeptMasks._bytes + packed.nbytes > self.CACHE_BYTES:
+                _KeptMasks._bytes -= self._packed.popitem(last=False)[1].nbytes
+            if packed.nbytes <= self.CACHE_BYTES:
+                self._packed[(self._owner, *key)] = packed
+                _KeptMasks._bytes += packed.nbytes
+
+
 class _TopKeeps:
     """TIES' keeps (the ``k`` largest magnitudes of each task vector) or, with ``outliers``,
     breadcrumbs' (those less the largest few), by the streaming exact selection."""
 
     needs_keys = True
-    costly = False
+    remembers = False  # its mask is a comparison with the keys this block computes anyway
 
     def __init__(self, trims: Trims, outliers: Trims | None = None):
         self.trims, self.outliers = trims, outliers
@@ -622,14 +664,19 @@ class _DareKeeps:
     """DARE's keeps: each element with probability ``density``, by ``dare_keep``'s coins."""
 
     needs_keys = False
-    costly = False
+    remembers = True
 
     def __init__(self, densities: list[float], seed: int, keypath: str):
         self._densities, self._seed, self._keypath = densities, seed, keypath
+        self._kept = _KeptMasks()
 
-    def mask(self, i: int, start: int, stop: int, space: Space, base_key):
-        return dare_keep(self._seed, self._keypath, i, start, stop, self._densities[i], out=space.keep,
-                         work=space.coins)
+    def mask(self, i: int, start: int, stop: int, space: Space, base_key, remember: bool = False):
+        if not self._kept.take((i, start, stop), space.keep):
+            dare_keep(self._seed, self._keypath, i, start, stop, self._densities[i], out=space.keep,
+                      work=space.coins)
+            if remember:
+                self._kept.keep((i, start, stop), space.keep)
+        return space.keep
 
 
 class _DellaKeeps:
@@ -640,12 +687,10 @@ class _DellaKeeps:
     magnitude takes the coin of the row's ``j``-th place, so no chunking or thread count
     changes a keep. Magnitudes are ranked at bfloat16 precision (see ``_compute``): where
     two are equal at it, the earlier ranks lower. A block is widened to whole rows to rank
-    them. The L1 rescale's pass keeps each block's mask (a bit an element, up to
-    CACHE_BYTES) for the output's pass, which then does not rank again."""
+    them."""
 
     needs_keys = False
-    costly = True  # worth a second thread in the L1 pass, and keeping between passes
-    CACHE_BYTES = 64 << 20
+    remembers = True
 
     def __init__(self, base: _leaf.ArrayLeaf, models: list[_leaf.ArrayLeaf], densities: list[float],
                  epsilons: list[float], seed: int, keypath: str):
@@ -661,28 +706,13 @@ class _DellaKeeps:
                   else np.zeros(1, np.float32))
         self._thresholds = [((d - e) + spread * np.float32(2 * e)).astype(np.float64) * 2.0**32
                             for d, e in zip(densities, epsilons)]
-        self._kept: dict[tuple[int, int, int], Any] = {}  # (model, start, stop) -> packed mask
-        self._room = self.CACHE_BYTES
-        self._lock = threading.Lock()
+        self._kept = _KeptMasks()
 
     def mask(self, i: int, start: int, stop: int, space: Space, base_key, remember: bool = False):
-        import numpy as np
-
-        with self._lock:
-            packed = self._kept.pop((i, start, stop), None)
-            if packed is not None:
-                self._room += packed.nbytes
-        if packed is not None:
-            space.keep[...] = np.unpackbits(packed, count=stop - start).view(bool)
-            return space.keep
-        keep = self._compute(i, start, stop)
-        space.keep[...] = keep
-        if remember:
-            packed = np.packbits(keep)
-            with self._lock:
-                if packed.nbytes <= self._room:
-                    self._kept[i, start, stop] = packed
-                    self._room -= packed.nbytes
+        if not self._kept.take((i, start, stop), space.keep):
+            space.keep[...] = self._compute(i, start, stop)
+            if remember:
+                self._kept.keep((i, start, stop), space.keep)
         return space.keep
 
     def _compute(self, i: int, start: int, stop: int):
@@ -730,7 +760,8 @@ class _L1Rescale:
             return self._factors
 
     def _measure(self) -> list[float]:
-        """Per model, ``‖d‖₁ / ‖d ⊙ keep‖₁``, in one pass. (On two threads DARE's ran slower.)"""
+        """Per model, ``‖d‖₁ / ‖d ⊙ keep‖₁``, in one pass on two threads (run before the
+        output's blocks fan out to them: see ``_task_leaf``'s ``fill_chunk``)."""
         import numpy as np
 
         if isinstance(self._keeps, _TopKeeps):
@@ -753,8 +784,10 @@ class _L1Rescale:
                     model.read_into(start, stop, space.model)
                     np.copyto(d, space.model)
                     d -= space.base64
-                    keep = (self._keeps.mask(i, start, stop, space, base_key, remember=True) if self._keeps.costly
-                            else self._keeps.mask(i, start, stop, space, base_key))
+                    if self._keeps.remembers:  # made once, kept for the output's pass
+                        keep = self._keeps.mask(i, start, stop, space, base_key, remember=True)
+                    else:
+                        keep = self._keeps.mask(i, start, stop, space, base_key)
                     np.abs(d, out=d)
                     before = float(d.sum())
                     d *= keep  # (in place: a dot with the bool mask would cast it to a new array)
@@ -762,11 +795,7 @@ class _L1Rescale:
             partials[start] = sums
 
         starts = range(0, self._base.size, SUB_CHUNK)
-        if self._keeps.costly:  # DELLA's ranking sorts every row: worth a second thread
-            stream.each_on_two_threads(measure, starts)
-        else:
-            for start in starts:
-                measure(start)
+        stream.each_on_two_threads(measure, starts)
         factors = []
         for i in range(len(self._models)):  # summed in block order: the same bytes whatever the threads
             before = math.fsum(partials[s][i][0] for s in starts)

@@ -1,5 +1,6 @@
 """The streaming exact selection of TIES: which elements of a task vector are among its
-``k`` largest magnitudes, found without holding the leaf.
+``k`` largest magnitudes, found without holding the leaf. (Any other ordered keys can be
+ranked the same way: ``sce`` ranks the variances of its task vectors.)
 
 Magnitudes are ranked as float32 bit patterns of ``|dᵢ|`` (mergekit ranks float32
 magnitudes too). A leaf of up to 64K elements is read whole. A
