@@ -46,13 +46,21 @@ def write(tmp_path: Path, text: str, **paths: Path) -> Path:
     return config
 
 
+def run_config(cli, tmp_path: Path, text: str, **paths: Path) -> dict:
+    """The tensors ``merge --config`` wrote for the config ``text`` (with ``paths`` in it)."""
+    config = write(tmp_path, text, **paths)
+    result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
+    assert result.code == 0, result.stderr
+    return load_file(str(tmp_path / "out.safetensors"))
+
+
 def layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if parts[1] == "layers" else None
 
 
 def test_parameters_resolve_by_precedence_gradient_and_filter(models, tmp_path, cli):
-    config = write(tmp_path, """
+    out = run_config(cli, tmp_path, """
 merge_method: task_arithmetic
 base_model: {base}
 models:
@@ -73,9 +81,6 @@ parameters:
     - value: 1.0
 dtype: float32
 """, **models)
-    result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
-    assert result.code == 0, result.stderr
-    out = load_file(str(tmp_path / "out.safetensors"))
     base, a, b = (load_file(str(models[k])) for k in ("base", "a", "b"))
     for name, got in out.items():
         layer = layer_of(name)
@@ -88,7 +93,7 @@ dtype: float32
 
 
 def test_slices_stack_layers_renumbered_from_each_source(models, tmp_path, cli):
-    config = write(tmp_path, """
+    out = run_config(cli, tmp_path, """
 slices:
   - sources:
       - model: {a}
@@ -99,9 +104,6 @@ slices:
 merge_method: passthrough
 dtype: float32
 """, **models)
-    result = cli("merge", "--config", config, "-o", tmp_path / "stack.safetensors")
-    assert result.code == 0, result.stderr
-    out = load_file(str(tmp_path / "stack.safetensors"))
     a, b = load_file(str(models["a"])), load_file(str(models["b"]))
     assert sorted({layer_of(n) for n in out if layer_of(n) is not None}) == list(range(7))
     for i in range(7):
@@ -114,7 +116,7 @@ dtype: float32
 
 
 def test_dtype_rounds_the_inputs_and_out_dtype_the_output(models, tmp_path, cli):
-    config = write(tmp_path, """
+    out = run_config(cli, tmp_path, """
 models:
   - model: {a}
   - model: {b}
@@ -122,9 +124,6 @@ merge_method: linear
 dtype: bfloat16
 out_dtype: float16
 """, **models)
-    result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
-    assert result.code == 0, result.stderr
-    out = load_file(str(tmp_path / "out.safetensors"))
     a, b = load_file(str(models["a"])), load_file(str(models["b"]))
     for name, got in out.items():
         assert got.dtype == np.float16
