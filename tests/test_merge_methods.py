@@ -370,6 +370,23 @@ def test_masks_kept_between_the_l1_pass_and_the_output_or_made_again_merge_alike
     assert 0.4 < np.mean(kept != base) < 0.9
 
 
+def test_masks_kept_for_a_leaf_read_in_part_go_with_the_leaf():
+    """A leaf read in part (a process's share of it) leaves the masks of the other blocks
+    kept; they are dropped when the leaf is."""
+    import gc
+
+    base, (m,) = family(shape=(300, 1000), count=1)
+    settings = _merge.LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
+                                   [{"weight": 1.0, "density": 0.5}])
+    leaf = _merge.leaf_merge("dare_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 1, "w",
+                             ["base", "m"], treecli._combine.AverageReport())
+    leaf.read_flat(0, 10)  # the L1 pass keeps every block's mask; this read takes the first
+    assert _merge._KeptMasks._bytes > 0
+    del leaf
+    gc.collect()
+    assert _merge._KeptMasks._bytes == 0
+
+
 @pytest.mark.parametrize("shape", [(37, 129), (5, 129, 7)])
 def test_della_coins_are_the_same_whatever_the_chunking(shape):
     base, (m,) = family(shape=shape, count=1)

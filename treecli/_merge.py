@@ -39,6 +39,7 @@ import hashlib
 import itertools
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -602,16 +603,37 @@ class _KeptMasks:
     pass over the same blocks: it takes each once instead of making it again (DARE's
     coins, DELLA's ranking). At most CACHE_BYTES are kept, across every leaf of the
     process: when more come, the oldest go (those of a leaf whose output was written by
-    another process, or in other blocks), and are made again if asked for."""
+    another process, or in other blocks), and are made again if asked for. A leaf's go
+    with it, when it is no longer used."""
 
     CACHE_BYTES = 64 << 20
     _packed: collections.OrderedDict = collections.OrderedDict()  # (owner, model, start, stop) -> bits
     _bytes = 0
     _lock = threading.Lock()
     _owners = itertools.count()
+    _gone: list[int] = []  # owners no longer used, whose masks are still to drop
 
     def __init__(self):
         self._owner = next(self._owners)
+        weakref.finalize(self, _KeptMasks._forget, self._owner)
+
+    @classmethod
+    def _forget(cls, owner: int) -> None:
+        cls._gone.append(owner)
+        # Not when the lock is taken: a collection can run this from inside take or keep.
+        if cls._lock.acquire(blocking=False):
+            try:
+                cls._drop_gone()
+            finally:
+                cls._lock.release()
+
+    @classmethod
+    def _drop_gone(cls) -> None:
+        gone = set()
+        while cls._gone:
+            gone.add(cls._gone.pop())
+        for key in [key for key in cls._packed if key[0] in gone] if gone else []:
+            cls._bytes -= cls._packed.pop(key).nbytes
 
     def take(self, key: tuple[int, int, int], out) -> bool:
         """Into ``out``, the mask kept for ``key``, forgetting it; False when none is."""
@@ -630,6 +652,7 @@ class _KeptMasks:
 
         packed = np.packbits(mask)
         with _KeptMasks._lock:
+            self._drop_gone()
             while self._packed and _KeptMasks._bytes + packed.nbytes > self.CACHE_BYTES:
                 _KeptMasks._bytes -= self._packed.popitem(last=False)[1].nbytes
             if packed.nbytes <= self.CACHE_BYTES:

@@ -37,15 +37,20 @@ class _Worker:
 
     def _run(self) -> None:
         while True:
-            future, fn, args = self._queue.get()
-            if not future.set_running_or_notify_cancel():  # cancelled while it waited
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+            self._run_one(*self._queue.get())
+
+    @staticmethod
+    def _run_one(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+        # A call of its own: nothing of a task outlives it (held by the loop until the next
+        # task came, a closure kept a merged leaf's statistics and buffers alive).
+        if not future.set_running_or_notify_cancel():  # cancelled while it waited
+            return
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+        else:
+            future.set_result(result)
 
 
 _pools: dict[str, _Worker] = {}
