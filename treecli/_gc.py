@@ -10,9 +10,11 @@ the process's end (``outlive``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -43,3 +45,27 @@ def outlive(*objects: object) -> None:
     (tests, library callers), where they are freed as usual."""
     if _outliving is not None:
         _outliving.extend(objects)
+
+
+class Orphans:
+    """What finalizers hand back to a store guarded by ``lock``: ``collected(key)`` may be
+    called by the collector anywhere, even inside the store's own locked section on this
+    thread, so it never waits for the lock: it forgets the key at once when the lock is
+    free, else leaves it to the next holder, who calls ``drain`` first."""
+
+    def __init__(self, lock: threading.Lock, forget: Callable[[Any], None]):
+        self._lock, self._forget = lock, forget
+        self._keys: collections.deque = collections.deque()
+
+    def collected(self, key: Any) -> None:
+        self._keys.append(key)
+        if self._lock.acquire(blocking=False):
+            try:
+                self.drain()
+            finally:
+                self._lock.release()
+
+    def drain(self) -> None:
+        """Forget every key handed back (the lock held)."""
+        while self._keys:
+            self._forget(self._keys.popleft())

@@ -43,7 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from treecli import _combine, _keypath, _leaf, _mergeconfig, _methods, _tree
+from treecli import _combine, _gc, _keypath, _leaf, _mergeconfig, _methods, _tree
 from treecli._bytes import stream
 from treecli._combine import SUB_CHUNK, AverageReport
 from treecli._errors import KeyPathError, UsageError, option
@@ -611,28 +611,16 @@ class _KeptMasks:
     _bytes = 0
     _lock = threading.Lock()
     _owners = itertools.count()
-    _gone: list[int] = []  # owners no longer used, whose masks are still to drop
+    _orphans = _gc.Orphans(_lock, lambda owner: _KeptMasks._forget(owner))  # leaves no longer used
 
     def __init__(self):
         self._owner = next(self._owners)
-        weakref.finalize(self, _KeptMasks._forget, self._owner)
+        weakref.finalize(self, _KeptMasks._orphans.collected, self._owner)
 
     @classmethod
     def _forget(cls, owner: int) -> None:
-        cls._gone.append(owner)
-        # Not when the lock is taken: a collection can run this from inside take or keep.
-        if cls._lock.acquire(blocking=False):
-            try:
-                cls._drop_gone()
-            finally:
-                cls._lock.release()
-
-    @classmethod
-    def _drop_gone(cls) -> None:
-        gone = set()
-        while cls._gone:
-            gone.add(cls._gone.pop())
-        for key in [key for key in cls._packed if key[0] in gone] if gone else []:
+        """Drop an owner's masks (the lock held)."""
+        for key in [key for key in cls._packed if key[0] == owner]:
             cls._bytes -= cls._packed.pop(key).nbytes
 
     def take(self, key: tuple[int, int, int], out) -> bool:
@@ -652,7 +640,7 @@ class _KeptMasks:
 
         packed = np.packbits(mask)
         with _KeptMasks._lock:
-            self._drop_gone()
+            self._orphans.drain()
             while self._packed and _KeptMasks._bytes + packed.nbytes > self.CACHE_BYTES:
                 _KeptMasks._bytes -= self._packed.popitem(last=False)[1].nbytes
             if packed.nbytes <= self.CACHE_BYTES:

@@ -17,6 +17,7 @@ import threading
 import weakref
 from typing import BinaryIO, Iterator
 
+from treecli import _gc
 from treecli._errors import FormatError, TreecliError
 
 
@@ -133,12 +134,12 @@ class _DescriptorPool:
         self._limit = limit
         self._lock = threading.Lock()
         self._open: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> [fd, users]
-        self._orphans: collections.deque[int] = collections.deque()  # tokens of collected readers, to close
+        self._orphans = _gc.Orphans(self._lock, self._forget)  # tokens of collected readers, to close
 
     @contextlib.contextmanager
     def descriptor(self, reader: FileReader) -> Iterator[int]:
         with self._lock:
-            self._close_orphans()
+            self._orphans.drain()
             entry = self._open.pop(reader.token, None)
             if entry is None:
                 entry = [reader.open_checked(), 0]
@@ -158,19 +159,8 @@ class _DescriptorPool:
             self._forget(token)
 
     def collected(self, token: int) -> None:
-        """A reader's finalizer. The collector may run it anywhere, even inside this
-        pool's own locked section on this thread: it never waits for the lock, and
-        leaves the descriptor to the next user of the pool when the lock is taken."""
-        self._orphans.append(token)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._close_orphans()
-            finally:
-                self._lock.release()
-
-    def _close_orphans(self) -> None:
-        while self._orphans:
-            self._forget(self._orphans.popleft())
+        """A reader's finalizer: its descriptor closed now, or by the pool's next user."""
+        self._orphans.collected(token)
 
     def _forget(self, token: int) -> None:
         entry = self._open.pop(token, None)
