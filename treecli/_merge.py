@@ -777,9 +777,8 @@ class _L1Rescale:
 
         if isinstance(self._keeps, _TopKeeps):
             self._keeps.select()
-        partials: dict[int, list[tuple[float, float]]] = {}  # block start -> per model (‖d‖₁, ‖d ⊙ keep‖₁)
-
-        def measure(start: int) -> None:
+        def measure(start: int) -> list[tuple[float, float]]:
+            """Per model, ``(‖d‖₁, ‖d ⊙ keep‖₁)`` over one block."""
             stop = min(self._base.size, start + SUB_CHUNK)
             sums = []
             with _combine.scratch_buffers(Space.BUFFERS) as buffers:
@@ -803,14 +802,13 @@ class _L1Rescale:
                     before = float(d.sum())
                     d *= keep  # (in place: a dot with the bool mask would cast it to a new array)
                     sums.append((before, float(d.sum())))
-            partials[start] = sums
+            return sums
 
-        starts = range(0, self._base.size, SUB_CHUNK)
-        stream.each_on_two_threads(measure, starts)
+        partials = stream.map_on_two_threads(measure, range(0, self._base.size, SUB_CHUNK))
         factors = []
         for i in range(len(self._models)):  # summed in block order: the same bytes whatever the threads
-            before = math.fsum(partials[s][i][0] for s in starts)
-            after = math.fsum(partials[s][i][1] for s in starts)
+            before = math.fsum(block[i][0] for block in partials)
+            after = math.fsum(block[i][1] for block in partials)
             factors.append(before / after if before >= 1e-7 and after >= 1e-7 else 1.0)
         return factors
 

@@ -98,16 +98,13 @@ def _scan(leaves: Leaves, visit: Callable[[int, int, list, list], Any], unit: in
     ``_read_block``), on two threads; what the visits returned, in block order (so that
     a sum of them is the same bytes whichever thread did which block)."""
     size, step = leaves[0].size, _step(unit)
-    starts = range(0, size, step)
-    results: dict[int, Any] = {}
 
-    def visit_block(start: int) -> None:
+    def visit_block(start: int) -> Any:
         stop = min(size, start + step)
         with _combine.scratch_buffers(len(leaves) + 1 + spare, step) as buffers:
-            results[start] = visit(start, stop, *_read_block(leaves, start, stop, buffers, spare))
+            return visit(start, stop, *_read_block(leaves, start, stop, buffers, spare))
 
-    stream.each_on_two_threads(visit_block, starts)
-    return [results[start] for start in starts]
+    return stream.map_on_two_threads(visit_block, range(0, size, step))
 
 
 def _output_leaf(leaves: Leaves, keypath: str, report: AverageReport,

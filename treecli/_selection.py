@@ -195,14 +195,13 @@ class Trims:
         self._scan(self._blocks(), range(count), visit, parallel=True)
         pieces = [sorted(near[i] or [], key=lambda piece: piece[0]) for i in range(count)]  # in element order
         wanted = [self._k[i] - above[i] for i in range(count)]  # how many of each model's near keys are kept
-        kths: list[tuple[int, int] | None] = [None] * count
-
-        def kth(i: int) -> None:
+        def kth(i: int) -> tuple[int, int] | None:
             if pieces[i] and 0 < wanted[i] <= sum(k.size for _, k in pieces[i]):
-                kths[i] = _kth_largest(np.concatenate([k for _, k in pieces[i]]), wanted[i])
+                return _kth_largest(np.concatenate([k for _, k in pieces[i]]), wanted[i])
+            return None
 
         # On two threads (the partition lets go of the GIL): a sixth of the selection on one.
-        stream.each_on_two_threads(kth, range(count))
+        kths = stream.map_on_two_threads(kth, range(count))
         return [None if kths[i] is None else
                 (kths[i][0] + bounds[i][0], self._tie_cut(i, pieces[i], kths[i][0], bounds[i][0], kths[i][1]))
                 for i in range(count)]
