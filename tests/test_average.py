@@ -123,15 +123,61 @@ def test_integer_step_counters_are_copied_exactly_or_refused_when_they_differ():
 
 
 def test_structure_mismatches_are_listed_diff_style_naming_inputs():
-    a = {"w": np.zeros((1, 4), np.float32), "only_a": np.zeros(1, np.float32), "x": np.zeros(2, BF16)}
-    b = {"w": np.zeros((3, 4), np.float32), "x": np.zeros(2, np.float32)}
+    a = {"w": np.zeros((1, 4), np.float32), "only_a": np.zeros(1, np.float32), "x": np.zeros(2, np.int32),
+         "y": np.zeros(2, BF16)}
+    b = {"w": np.zeros((3, 4), np.float32), "x": np.zeros(2, np.int64), "y": np.zeros(3, np.float32)}
     with pytest.raises(StructureError) as info:
         average([a, b], names=["a.st", "b.st"])
     assert info.value.details == [
         "only_a: only in a.st",
         "w: [1, 4] float32 in a.st; [3, 4] float32 in b.st",  # never broadcast
-        "x: [2] bfloat16 in a.st; [2] float32 in b.st",
+        "x: [2] int32 in a.st; [2] int64 in b.st",  # integers are copied, never promoted
+        "y: [2] bfloat16 in a.st; [3] float32 in b.st",
     ]
+
+
+@pytest.mark.parametrize("dtypes, promoted", [
+    ((np.float32, BF16), "float32"), ((BF16, np.float16), "float32"), ((np.float16, np.float64), "float64"),
+    ((ml_dtypes.float8_e4m3fn, BF16, BF16), "float32")])
+def test_mixed_float_dtypes_promote_as_mergekit_and_dtype_says_otherwise(dtypes, promoted):
+    rng = np.random.default_rng(5)
+    trees = [{"w": rng.standard_normal((3, 5)).astype(d), "step": np.int64(7)} for d in dtypes]
+    soup, report = average(trees, [1, 2, 3][: len(trees)])
+    got = materialize(soup)
+    want = reference([t["w"] for t in trees], [1, 2, 3][: len(trees)])
+    assert got["w"].dtype == np.dtype(promoted) and got["step"] == 7
+    assert np.allclose(got["w"].astype(np.float64), want, rtol=1e-6, atol=1e-7)
+    assert report.notes() == [f"1 leaf of mixed float dtypes computed in {promoted} (as mergekit promotes them): w"]
+    cast, _ = average(trees, [1, 2, 3][: len(trees)], dtype="bfloat16")
+    assert materialize(cast)["w"].tobytes() == want.astype(BF16).tobytes()
+
+
+def test_cli_average_and_merge_of_a_float32_base_and_a_bf16_fine_tune(cli, tmp_path):
+    rng = np.random.default_rng(2)
+    base = {"w": rng.standard_normal((4, 4)).astype(np.float32)}
+    tuned = {"w": (base["w"] + 0.1).astype(BF16)}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(tuned, str(tmp_path / "ft.safetensors"))
+    want = (base["w"].astype(np.float64) + tuned["w"].astype(np.float64)) / 2
+    for extra, dtype in (([], np.float32), (["--dtype", "bfloat16"], BF16)):
+        out = tmp_path / f"avg{len(extra)}.safetensors"
+        result = cli("average", tmp_path / "base.safetensors", tmp_path / "ft.safetensors", "-o", out, *extra)
+        assert result.code == 0, result.stderr
+        assert "computed in float32" in result.stderr
+        got = deserialize(out.read_bytes())[0][1]
+        assert got["dtype"] == {np.float32: "F32", BF16: "BF16"}[dtype]
+        assert np.frombuffer(bytes(got["data"]), dtype).tobytes() == want.astype(dtype).tobytes()
+    merged = tmp_path / "ties.safetensors"
+    result = cli("merge", "--method", "task_arithmetic", "--base", tmp_path / "base.safetensors",
+                 tmp_path / "ft.safetensors", "-o", merged, "--dtype", "bf16")
+    assert result.code == 0, result.stderr
+    got = deserialize(merged.read_bytes())[0][1]
+    assert got["dtype"] == "BF16"
+    task = base["w"].astype(np.float64) + (tuned["w"].astype(np.float64) - base["w"])
+    assert np.frombuffer(bytes(got["data"]), BF16).tobytes() == task.astype(np.float32).astype(BF16).tobytes()
+    assert_clean_error(cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors",
+                           tmp_path / "ft.safetensors", "-o", tmp_path / "x.safetensors", "--dtype", "int8"),
+                       "--dtype 'int8'", "float dtype")
 
 
 def test_weights_normalize_count_and_task_arithmetic():

@@ -59,7 +59,8 @@ def test_each_layer_and_module_kind_changes_as_the_definition_says(cli, tmp_path
     assert got[(0, "mlp")] == 0 and got[(1, "norm")] > 0 and got[(None, "other")] > 0
     assert [row["layer"] for row in result.json["rows"]] == [0] * 3 + [1] * 3 + [2] * 3 + [None]
     text = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer")
-    assert "2      mlp" in text.stdout and "█" * 20 in text.stdout  # the largest change: the full bar
+    assert "2      mlp" in text.stdout and "#" * 20 in text.stdout  # the largest change: the full bar
+    assert text.stdout.isascii()  # piped: plain ASCII, no box or bar glyphs
     same = cli("diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors", "--by-layer", "--json")
     assert same.code == 0 and same.json["equal"] and all(r["relative_change"] == 0 for r in same.json["rows"])
 
@@ -92,7 +93,7 @@ def test_plot_draws_the_changes_as_a_png_and_refuses_what_it_would_replace(cli, 
     assert result.code == 1, result.stderr
     png = (tmp_path / "layers.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert "wrote" in result.stderr and "█" in result.stdout  # the table too
+    assert "wrote" in result.stderr and "#" in result.stdout  # the table too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "layers.png"]
     assert_clean_error(cli(*args, "--plot", tmp_path / "layers.png"), "the file exists")
     assert (tmp_path / "layers.png").read_bytes() == png
@@ -104,3 +105,79 @@ def test_plot_draws_the_changes_as_a_png_and_refuses_what_it_would_replace(cli, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert_clean_error(cli(*args, "--plot", tmp_path / "y.png"), "pip install 'treecli[plot]'")
     assert not (tmp_path / "y.png").exists()
+
+
+def test_each_layer_s_total_change_is_a_row_and_a_json_field(cli, tmp_path):
+    a, b = llama_like(0), llama_like(1)
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    result = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer", "--json")
+    want = {}
+    for name, x in a.items():  # the whole layer's ‖b − a‖ / ‖a‖, from the definition
+        found = re.search(r"layers\.(\d+)\.", name)
+        s = want.setdefault(int(found.group(1)) if found else None, [0.0, 0.0])
+        s[0] += float(np.sum(x.astype(np.float64) ** 2))
+        s[1] += float(np.sum((b[name].astype(np.float64) - x) ** 2))
+    layers = {row["layer"]: row for row in result.json["layers"]}
+    assert [row["layer"] for row in result.json["layers"]] == [0, 1, 2, None]
+    for layer, (norm, change) in want.items():
+        assert layers[layer]["relative_change"] == pytest.approx(np.sqrt(change / norm), rel=1e-12)
+        assert layers[layer]["kind"] == "total"
+    assert layers[0]["params"] == 8 * 8 * 4 + 8 * 2
+    text = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer").stdout
+    rows = [line.split() for line in text.splitlines()]
+    assert [r[:2] for r in rows if len(r) > 1 and r[1] == "total"] == [["0", "total"], ["1", "total"], ["2", "total"]]
+    # the total row follows its layer's kinds
+    kinds = [r[1] for r in rows[1:] if len(r) > 1 and r[0] == "1"]
+    assert kinds == ["attention", "mlp", "norm", "total"]
+
+
+def test_a_model_against_its_bf16_cast_gives_numbers_in_the_wider_dtype(cli, tmp_path):
+    import ml_dtypes
+
+    a = llama_like(0)
+    b = {k: v.astype(ml_dtypes.bfloat16) for k, v in a.items()}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    result = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer", "--json")
+    assert result.code == 1 and not result.json["skipped"]
+    assert set(result.json["compared_in"].values()) == {"float32"}
+    for row in result.json["rows"]:  # bf16 keeps 8 bits: the cast changes each value by < 2^-8
+        assert 0 < row["relative_change"] < 2 ** -8
+    text = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer")
+    assert "attention" in text.stdout and "compared in float32" in text.stderr
+    plain = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--atol", "1e-2", "--json")
+    changed = {c["keypath"]: c for c in plain.json["changed"]}
+    assert len(changed) == len(a)
+    w = "model.layers.0.mlp.up_proj.weight"
+    want = np.max(np.abs(a[w].astype(np.float64) - b[w].astype(np.float64)))
+    assert changed[w]["max_abs_diff"] == pytest.approx(want, rel=1e-12) and changed[w]["compared_in"] == "float32"
+    assert changed[w]["a"] == "[8, 8] float32" and changed[w]["b"] == "[8, 8] bfloat16"
+    table = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert table.code == 1 and "compared in float32" in table.stdout and f"{want:.4g}" in table.stdout
+
+
+def test_the_plot_is_in_the_table_s_units(tmp_path):
+    pytest.importorskip("matplotlib")
+    from treecli._layers import LayerReport, Row
+    from treecli.cli import _plot
+
+    drawn = {}
+    report = LayerReport(rows=[Row(0, "mlp", 4, 1.0, 0.0004), Row(1, "mlp", 4, 1.0, 0.01)])
+    real = _plot.Path
+
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.plot
+
+    def spy(self, x, y, *args, **kwargs):
+        drawn.setdefault("y", []).extend(y)
+        return original(self, x, y, *args, **kwargs)
+
+    matplotlib.axes.Axes.plot = spy
+    try:
+        _plot.draw_layers(report, str(tmp_path / "p.png"), "a -> b")
+    finally:
+        matplotlib.axes.Axes.plot = original
+    assert drawn["y"] == pytest.approx([2.0, 10.0])  # percent, as the table's 2.000% and 10.000%
+    assert real(tmp_path / "p.png").is_file()

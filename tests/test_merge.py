@@ -356,7 +356,7 @@ def test_integer_leaves_follow_averages_rules():
     (lambda a, b, base: treecli.merge([a, b], "median", base=base), "unknown merge method"),
     (lambda a, b, base: treecli.merge([a], "slerp", base=base, t=0.5, density=0.5), "density is not a parameter of slerp (it takes t)"),
     (lambda a, b, base: treecli.merge([a], "ties", base=base, t=0.5), "t is not a parameter of ties (it takes lambda, density)"),
-    (lambda a, b, base: treecli.merge([a], "ties", base={"w": np.zeros(3, np.float64)}), "differ"),
+    (lambda a, b, base: treecli.merge([a], "ties", base={"w": np.zeros(4, np.float32)}), "differ"),
 ])
 def test_refusals(call, fragment):
     a, b, base = ({"w": np.full(3, v, np.float32)} for v in (1, 2, 0))

@@ -42,6 +42,7 @@ class AverageReport:
     differing: list[str] = field(default_factory=list)  # those of them that differ between inputs
     copied_from: str = ""  # the input they came from
     messages: list[str] = field(default_factory=list)  # other warnings (a merge config's ignored keys, ...)
+    promoted: dict[str, str] = field(default_factory=dict)  # keypath -> the dtype mixed input dtypes met in
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def warnings(self) -> list[str]:
@@ -51,11 +52,23 @@ class AverageReport:
         return list(self.messages) + lines
 
     def notes(self) -> list[str]:
-        if not self.differing:
-            return []
-        shown = ", ".join(self.differing[:8]) + (", ..." if len(self.differing) > 8 else "")
-        return [f"{len(self.differing)} integer, bool or non-array leaves differ between the inputs; copied from "
-                f"{self.copied_from}: {shown}"]
+        lines = []
+        if self.promoted:
+            by_dtype: dict[str, list[str]] = {}
+            for keypath, dtype in self.promoted.items():
+                by_dtype.setdefault(dtype, []).append(keypath)
+            for dtype, keypaths in by_dtype.items():
+                lines.append(f"{counted(len(keypaths), 'leaf', 'leaves')} of mixed float dtypes computed in {dtype} "
+                             f"(as mergekit promotes them): {_shown(keypaths)}")
+        if self.differing:
+            lines.append(f"{len(self.differing)} integer, bool or non-array leaves differ between the inputs; copied "
+                         f"from {self.copied_from}: {_shown(self.differing)}")
+        return lines
+
+
+def _shown(keypaths: list[str]) -> str:
+    """The first few of a list of key paths, for a note."""
+    return ", ".join(keypaths[:8]) + (", ..." if len(keypaths) > 8 else "")
 
 
 def linear(
@@ -108,14 +121,17 @@ def combine_inputs(trees: list[Any], names: list[str], non_float: str,
                    checks: Sequence[Callable[[], None]] = ()) -> tuple[Any, AverageReport]:
     """The tree of ``float_leaf(keypath, text, leaves, report)`` for the float array leaves
     of same-structured inputs, and of their integer, bool and non-array leaves copied
-    (per ``non_float``). Structures are compared first, then ``checks`` run, before any
-    data is read."""
+    (per ``non_float``). Float leaves that differ only in dtype are computed in the one
+    they promote to (``promoted_inputs``). Structures are compared first, then ``checks``
+    run, before any data is read."""
+    trees, promoted = promoted_inputs(trees)
     differences = _tree.structure_differences(trees, names)
     if differences:
         raise StructureError(f"the inputs differ in {counted(len(differences), 'leaf', 'leaves')}", details=differences)
     for check in checks:
         check()
     report = AverageReport(copied_from=names[0] if non_float == "first" else names[-1])
+    report.promoted = promoted
     flats = [_tree.by_text(t) for t in trees]
     mismatched: list[str] = []
 
@@ -140,6 +156,33 @@ def combine_inputs(trees: list[Any], names: list[str], non_float: str,
             details=mismatched,
         )
     return result, report
+
+
+def promoted_inputs(trees: list[Any]) -> tuple[list[Any], dict[str, str]]:
+    """``trees`` with each float leaf whose dtype differs between them (same key path and
+    shape) widened, lazily and exactly, to the dtype they promote to (``_dtypes.promoted``:
+    bf16 with f32 is f32, as in mergekit); and those key paths with that dtype."""
+    flats = [_tree.by_text(t) for t in trees]
+    targets: dict[str, str] = {}
+    for text, first in flats[0].items():
+        leaves = [flat.get(text) for flat in flats]
+        if not all(x is not None and _leaf.is_array(x) for x in leaves):
+            continue
+        arrays = [_leaf.as_leaf(x) for x in leaves]
+        dtypes = {a.dtype_name for a in arrays}
+        if len(dtypes) > 1 and all(_dtypes.is_float(d) for d in dtypes) \
+                and len({tuple(a.shape) for a in arrays}) == 1:
+            targets[text] = _dtypes.promoted(dtypes)
+    if not targets:
+        return trees, {}
+
+    def widened(keypath: tuple, x: Any) -> Any:
+        text = format_keypath(keypath)
+        if text not in targets or _leaf.as_leaf(x).dtype_name == targets[text]:
+            return x
+        return cast_leaf(_leaf.as_leaf(x), targets[text], text, lambda message: None)  # widening: exact
+
+    return [_tree.map_leaves(widened, t) for t in trees], targets
 
 
 def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,

@@ -26,6 +26,7 @@ class Change:
     max_abs_diff: float | None = None  # over the pairs where both are finite
     max_rel_diff: float | None = None
     nonfinite: int = 0  # pairs where Inf or NaN meets a different value
+    compared_in: str | None = None  # the dtype two leaves of different dtypes were compared in
 
 
 @dataclass
@@ -48,6 +49,8 @@ class DiffResult:
         def change(c: Change) -> dict[str, Any]:
             entry = {"keypath": c.keypath, "a": c.a, "b": c.b, "max_abs_diff": number(c.max_abs_diff),
                      "max_rel_diff": number(c.max_rel_diff)}
+            if c.compared_in:
+                entry["compared_in"] = c.compared_in
             return {**entry, "nonfinite_mismatches": c.nonfinite} if c.nonfinite else entry
 
         return {"equal": self.equal, "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
@@ -122,8 +125,32 @@ def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
             return Change(text, _describe_value(x), _describe_value(y))
         return None
     if not _tree.same_layout(x, y):
-        return Change(text, _tree.describe_leaf(x), _tree.describe_leaf(y))
+        pair = widened_pair(_leaf.as_leaf(x), _leaf.as_leaf(y), text)
+        if pair is None:
+            return Change(text, _tree.describe_leaf(x), _tree.describe_leaf(y))
+        # Dtypes differ: never "equal", whatever the tolerances; the values are compared, to
+        # the last bit, in the dtype holding both, so the numbers are there for every pair.
+        found = _compare_arrays(*pair, text, None, None, progress)
+        return Change(text, _tree.describe_leaf(x), _tree.describe_leaf(y),
+                      found.max_abs_diff if found else 0.0, found.max_rel_diff if found else 0.0,
+                      found.nonfinite if found else 0, compared_in=pair[0].dtype_name)
     return _compare_arrays(_leaf.as_leaf(x), _leaf.as_leaf(y), text, rtol, atol, progress)
+
+
+def widened_pair(x: _leaf.ArrayLeaf, y: _leaf.ArrayLeaf, text: str) -> tuple[Any, Any] | None:
+    """Two leaves of one shape and different dtypes, both in the dtype that holds each
+    exactly (``_dtypes.common``: a model and its bf16 cast meet in float32), read lazily;
+    None where their values cannot be compared."""
+    from treecli._combine import cast_leaf
+
+    target = _dtypes.common(x.dtype_name, y.dtype_name) if tuple(x.shape) == tuple(y.shape) else None
+    if target is None:
+        return None
+
+    def widened(leaf: _leaf.ArrayLeaf) -> Any:
+        return leaf if leaf.dtype_name == target else cast_leaf(leaf, target, text, lambda message: None)
+
+    return widened(x), widened(y)
 
 
 def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:

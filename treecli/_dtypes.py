@@ -86,6 +86,36 @@ def parse(text: str) -> str:
     raise UsageError(f"unknown dtype {text!r} (try one of {known})")
 
 
+def promoted(dtype_names: Any) -> str:
+    """The dtype mixed floats are computed in, as mergekit 0.1.5 (torch) promotes them:
+    the widest; two of one width that differ (bfloat16 with float16, fp8 kinds) meet in
+    float32, which holds every value of either exactly."""
+    distinct = sorted(set(dtype_names), key=itemsize)
+    if len(distinct) == 1:
+        return distinct[0]
+    widest = distinct[-1]
+    if itemsize(widest) >= 4 and sum(itemsize(d) == itemsize(widest) for d in distinct) == 1:
+        return widest
+    return "float32" if itemsize(widest) <= 4 else "float64"
+
+
+def common(a: str, b: str) -> str | None:
+    """The dtype two leaves of different dtypes are compared in: the one that holds both
+    exactly where there is one (``promoted`` for floats, NumPy's promotion for integers and
+    their mixes with floats, float64 at most); None where no comparison of values makes
+    sense (bool, int4 and the like, complex with real)."""
+    kinds = {kind(a), kind(b)}
+    if a == b or not kinds <= set("iuf") or needs_ml_dtypes(a) and not is_float(a) \
+            or needs_ml_dtypes(b) and not is_float(b):
+        return None
+    if kinds == {"f"}:
+        return promoted([a, b])
+    import numpy as np
+
+    return name(np.result_type(*(numpy_dtype(d if not is_float(d) else "float64" if itemsize(d) == 8 else "float32")
+                                 for d in (a, b))))
+
+
 def kind(dtype: Any) -> str:
     """NumPy's one-letter kind (``b i u f c``, else ``V``, ``U``, ...), decided by the dtype's name
     for every dtype treecli knows: ml_dtypes reports its types (bf16, fp8, int4) as kind ``V``

@@ -1,10 +1,11 @@
 """``diff --by-layer``: how much each layer changed between two checkpoints of one tree
 (what a merge or a fine-tune did), streaming one pair of leaves at a time.
 
-Each float leaf present in both, of one shape and dtype, adds to its row ``‖a‖²`` and
-``‖b − a‖²`` (in float64, chunk by chunk); a row's relative change is
+Each float leaf present in both, of one shape, adds to its row ``‖a‖²`` and
+``‖b − a‖²`` (in float64, chunk by chunk; a leaf whose dtypes differ, a model against
+its bf16 cast, is read in the dtype holding both); a row's relative change is
 ``‖b − a‖ / ‖a‖``. Rows are per layer and per kind of module inside it (attention,
-MLP, norms, other). A leaf's layer is the number after ``layers``, ``blocks``, ``h`` or
+MLP, norms, other), and each layer's total over its kinds. A leaf's layer is the number after ``layers``, ``blocks``, ``h`` or
 ``layer`` in its key path (``model.layers.12.mlp.up_proj.weight`` is layer 12), or
 what the first group of ``layer_pattern`` (a regular expression searched in the key
 path's text) captures; leaves outside every layer (embeddings, the head) are one row.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli._diff import widened_pair
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 
@@ -48,17 +50,31 @@ class LayerReport:
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # key paths not compared, with why
 
+    compared_in: dict[str, str] = field(default_factory=dict)  # key path -> dtype, where a's and b's differ
+
     @property
     def equal(self) -> bool:
-        return not self.skipped and all(r.change_squares == 0 for r in self.rows)
+        return not self.skipped and not self.compared_in and all(r.change_squares == 0 for r in self.rows)
+
+    def layer_totals(self) -> list[Row]:
+        """Each layer's change over all its kinds of module (kind ``total``), in layer order."""
+        totals: dict[int | None, Row] = {}
+        for r in self.rows:
+            total = totals.setdefault(r.layer, Row(r.layer, "total"))
+            total.params += r.params
+            total.a_squares += r.a_squares
+            total.change_squares += r.change_squares
+        return list(totals.values())
 
     def as_json(self) -> dict[str, Any]:
         def number(x: float | None) -> Any:  # (JSON has no NaN: a leaf holding one changes by "nan")
             return x if x is None or math.isfinite(x) else str(x)
 
-        return {"equal": self.equal,
-                "rows": [{"layer": r.layer, "kind": r.kind, "params": r.params,
-                          "relative_change": number(r.relative_change)} for r in self.rows],
+        def row(r: Row) -> dict[str, Any]:
+            return {"layer": r.layer, "kind": r.kind, "params": r.params, "relative_change": number(r.relative_change)}
+
+        return {"equal": self.equal, "rows": [row(r) for r in self.rows],
+                "layers": [row(r) for r in self.layer_totals()], "compared_in": self.compared_in,
                 "skipped": self.skipped}
 
 
@@ -87,8 +103,16 @@ def by_layer(a: Any, b: Any, *, layer_pattern: str | None = None, progress=None)
             report.skipped.append(f"{text}: {'only in a' if y is None else 'not an array in both'}")
             continue
         x, y = _leaf.as_leaf(x), _leaf.as_leaf(y)
-        if not _tree.same_layout(x, y) or not _dtypes.is_float(x.dtype_name):
-            report.skipped.append(f"{text}: {'not a float leaf' if _tree.same_layout(x, y) else 'shapes or dtypes differ'}")
+        if not _tree.same_layout(x, y):
+            pair = widened_pair(x, y, text) if _dtypes.is_float(x.dtype_name) or _dtypes.is_float(y.dtype_name) \
+                else None
+            if pair is None:
+                report.skipped.append(f"{text}: shapes or dtypes differ")
+                continue
+            x, y = pair
+            report.compared_in[text] = x.dtype_name
+        elif not _dtypes.is_float(x.dtype_name):
+            report.skipped.append(f"{text}: not a float leaf")
             continue
         found = pattern.search(text)
         try:

@@ -215,6 +215,7 @@ def merge(
     names: list[str] | None = None,
     base_name: str = "base",
     non_float: str = "last",
+    dtype: str | None = None,
 ) -> tuple[Any, AverageReport]:
     """Merge trees with mergekit's methods, streaming: see the module's docstring and
     ``SPECS`` for each method's parameters (a mergekit config: ``treecli.merge_config``).
@@ -236,6 +237,8 @@ def merge(
         normalize: divide by the summed weights (default: the method's own).
         parameters: the method's other parameters by mergekit's names (``{"filter_wise": True}``).
         non_float: as ``average``'s.
+        dtype: the output dtype of float leaves (default: the inputs' own; where they
+            differ, the dtype they promote to, as in mergekit: bf16 with f32 gives f32).
 
     Returns:
         The merged tree (computed leaves) and a report that fills in while it is read.
@@ -247,12 +250,13 @@ def merge(
     weights = [1.0] * len(trees) if weights is None else [float(w) for w in weights]
     if len(weights) != len(trees):
         raise UsageError(f"{len(weights)} weights for {len(trees)} models")
+    out_dtype = _output_dtype(dtype)
     if method == "linear":
         if base is not None:
             raise UsageError(f"the linear method takes no base; average the models ({option('base', 'BASE')} "
                              "is for the task methods and slerp)")
-        return _combine.linear(list(trees), weights, names=names,
-                               normalize=True if normalize is None else normalize, non_float=non_float)
+        return _combine.linear(list(trees), weights, names=names, normalize=True if normalize is None else normalize,
+                               non_float=non_float, dtype=out_dtype)
     if method == "slerp" and base is None and trees:  # two models: the first is t = 0
         base, trees, base_name, names, weights = trees[0], trees[1:], names[0], names[1:], weights[1:]
     if spec.base == "none" and base is not None:
@@ -310,9 +314,20 @@ def merge(
                 shared[p.name] = p.default if value is None else value
         return LeafSettings(shared, models)
 
-    return merge_with(method, base, list(trees), settings, names=names, base_name=base_name, seed=seed,
-                      non_float=non_float, checks=[functools.partial(s.check_matches, (base or trees[0]))
-                                                   for s in rules.values()])
+    merged, report = merge_with(method, base, list(trees), settings, names=names, base_name=base_name, seed=seed,
+                                non_float=non_float, checks=[functools.partial(s.check_matches, (base or trees[0]))
+                                                             for s in rules.values()])
+    return _as_dtype(merged, out_dtype, report), report
+
+
+def _output_dtype(dtype: str | None) -> str | None:
+    """The dtype a merge's ``dtype`` names, which must be a float one."""
+    from treecli import _dtypes
+
+    out_dtype = _dtypes.parse(dtype) if dtype else None
+    if out_dtype is not None and not _dtypes.is_float(out_dtype):
+        raise UsageError(f"{option('dtype', dtype)}: merges compute floating-point values; name a float dtype")
+    return out_dtype
 
 
 def check_inputs(method: str, has_base: bool, models: int, where: str = "") -> None:

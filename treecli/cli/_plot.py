@@ -42,10 +42,10 @@ def draw_layers(report: Any, target: str, title: str) -> None:
         inside = sorted((r for r in rows if r.layer is not None), key=lambda r: r.layer)
         color = None
         if inside:
-            line = axes.plot([position[r.layer] for r in inside], [r.relative_change for r in inside], marker="o",
+            line = axes.plot([position[r.layer] for r in inside], [100 * r.relative_change for r in inside], marker="o",
                              markersize=3, label=kind)
             color = line[0].get_color()
-        outside = [r.relative_change for r in rows if r.layer is None]
+        outside = [100 * r.relative_change for r in rows if r.layer is None]
         if outside:  # a point of its own, never joined to layer 0
             axes.plot([0] * len(outside), outside, marker="o", linestyle="none", color=color,
                       label="_" if inside else kind)
@@ -53,7 +53,7 @@ def draw_layers(report: Any, target: str, title: str) -> None:
     step = max(1, len(ticks) // 20)
     axes.set_xticks(ticks[::step], ["–", *map(str, layers)][::step])
     axes.set_xlabel("layer")
-    axes.set_ylabel("‖b − a‖ / ‖a‖")
+    axes.set_ylabel("‖b − a‖ / ‖a‖ (%)")  # the table's unit
     axes.set_title(title, fontsize=9)
     axes.grid(alpha=0.3)
     if any(not line.get_label().startswith("_") for line in axes.lines):

@@ -13,8 +13,8 @@ from treecli.cli._output import Output
 
 
 def average(
-    checkpoints: Annotated[list[str], typer.Argument(help="Two or more checkpoints with the same key paths, "
-                                                      "shapes and dtypes (any formats).", show_default=False,
+    checkpoints: Annotated[list[str], typer.Argument(help="Two or more checkpoints with the same key paths "
+                                                      "and shapes (any formats; float dtypes may differ).", show_default=False,
                                                       metavar="CHECKPOINTS...")],
     output: opt.OutputOpt,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="One weight per input, e.g. 1,2,3 "
@@ -23,7 +23,8 @@ def average(
     no_normalize: Annotated[bool, typer.Option("--no-normalize", help="Use the weights as given (task "
                                                "arithmetic: --weights 1,1,-1 --no-normalize); default: "
                                                "scale them to sum 1.")] = False,
-    dtype: opt.dtype_option("Output dtype of float leaves (default: each leaf's own; bf16 stays bf16).") = None,
+    dtype: opt.dtype_option("Output dtype of float leaves (default: each leaf's own, bf16 stays bf16; "
+                            "mixed inputs promote as in mergekit: bf16 with f32 gives f32).") = None,
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,

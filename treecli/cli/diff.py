@@ -84,7 +84,7 @@ def _print(out: Output, result, json: bool) -> None:
         rows += [[f"+ {k}", "only in b", "", "", ""] for k in result.only_in_b]
         for c in result.changed:
             same = c.a == c.b
-            note = "values differ" if same else ""
+            note = "values differ" if same else f"compared in {c.compared_in}" if c.compared_in else ""
             if c.nonfinite:
                 note += f"{'; ' if note else ''}{c.nonfinite} non-finite differ"
             rows.append([f"~ {c.keypath}", c.a if same else f"{c.a} -> {c.b}",
@@ -107,20 +107,37 @@ def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None
     if json:
         out.json(report.as_json())
     else:
-        changes = [r.relative_change for r in report.rows]
-        top = max((c for c in changes if c is not None and c == c), default=0.0) or 1.0
-        rows = [["-" if r.layer is None else str(r.layer), r.kind, f"{r.params:,}",
-                 "" if c is None else f"{c:.3%}", "" if c is None or c != c else "█" * round(20 * c / top)]
-                for r, c in zip(report.rows, changes)]
-        out.lines(_render.table(["layer", "kind", "params", "‖b−a‖/‖a‖", ""], rows, {2, 3}))
-        if report.skipped:
-            out.note(f"{len(report.skipped)} leaves not compared (e.g. {report.skipped[0]})")
+        _print_layers(out, report)
     if plot is not None:
         from treecli.cli._plot import draw_layers
 
-        draw_layers(report, plot, title=f"{a} → {b}")
+        draw_layers(report, plot, title=f"{a} -> {b}")
         out.note(f"wrote {plot}")
     return ExitStatus.OK if report.equal else ExitStatus.DIFFERENCES
+
+
+def _print_layers(out: Output, report) -> None:
+    """``--by-layer``'s table: a row per layer and kind of module, then the layer's total
+    where it has several kinds; the change in percent, as a bar. Piped, plain ASCII."""
+    from treecli import _render
+
+    totals = {r.layer: r for r in report.layer_totals()}
+    kinds: dict = {}
+    for r in report.rows:
+        kinds.setdefault(r.layer, []).append(r)
+    ordered = [row for layer, rows in kinds.items() for row in rows + ([totals[layer]] if len(rows) > 1 else [])]
+    changes = [r.relative_change for r in ordered]
+    top = max((c for c in changes if c is not None and c == c), default=0.0) or 1.0
+    bar, title = ("#", "|b-a|/|a|") if out.plain else ("█", "‖b−a‖/‖a‖")
+    rows = [["-" if r.layer is None else str(r.layer), r.kind, f"{r.params:,}",
+             "" if c is None else f"{c:.3%}", "" if c is None or c != c else bar * round(20 * c / top)]
+            for r, c in zip(ordered, changes)]
+    out.lines(_render.table(["layer", "kind", "params", title, ""], rows, {2, 3}))
+    if report.compared_in:
+        dtypes = sorted(set(report.compared_in.values()))
+        out.note(f"{len(report.compared_in)} leaves differ in dtype; compared in {', '.join(dtypes)}")
+    if report.skipped:
+        out.note(f"{len(report.skipped)} leaves not compared (e.g. {report.skipped[0]})")
 
 
 def _gather(cluster, changes: list) -> list[list]:

@@ -15,7 +15,7 @@ from treecli.cli._output import Output
 
 def merge(
     checkpoints: Annotated[Optional[list[str]], typer.Argument(
-        help="The models to merge (any formats, the same key paths, shapes and dtypes); with --config, none: "
+        help="The models to merge (any formats, the same key paths and shapes); with --config, none: "
              "the config names them.", show_default=False, metavar="MODELS...")] = None,
     output: opt.OutputOpt = None,
     config: Annotated[Optional[str], typer.Option(
@@ -58,6 +58,8 @@ def merge(
         "--layer-pattern", metavar="REGEX", show_default=False,
         help="With --config: a regular expression whose first group is a key path's layer number (default: the "
              "number after layers, blocks, h or layer).")] = None,
+    dtype: opt.dtype_option("Output dtype of float leaves (default: each leaf's own; mixed inputs promote as in "
+                            "mergekit: bf16 with f32 gives f32). With --config: the config's dtype, out_dtype.") = None,
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
@@ -93,7 +95,8 @@ def merge(
         given = [flag for flag, value in (("--method", method), ("--base", base), ("--weights", weights),
                                           ("--density", density), ("--lambda", lambda_), ("--t", t),
                                           ("--gamma", gamma), ("--epsilon", epsilon), ("--param", param),
-                                          ("--rescale", rescale), ("--normalize", normalize), ("MODELS", checkpoints))
+                                          ("--rescale", rescale), ("--normalize", normalize), ("MODELS", checkpoints),
+                                          ("--dtype", dtype))
                  if value is not None]
         if given:
             raise UsageError(f"--config {config!r} says what to merge; {given[0]} belongs in it")
@@ -114,7 +117,7 @@ def merge(
             [c.tree for c in opened], method, base=base_checkpoint.tree if base_checkpoint else None,
             weights=parse_weights(weights, len(opened)), density=density, lambda_=lambda_, t=t, gamma=gamma,
             epsilon=epsilon, seed=seed, rescale=rescale, normalize=normalize, parameters=_parameters(param),
-            names=list(checkpoints), base_name=base or "base", non_float=non_float)
+            names=list(checkpoints), base_name=base or "base", non_float=non_float, dtype=dtype)
         source = base_checkpoint or opened[0]
         written = write_output(out, tree, output, source=source,
                                inputs=[*opened, *([base_checkpoint] if base else [])], format=format, force=force,
