@@ -185,6 +185,20 @@ def promoted_inputs(trees: list[Any]) -> tuple[list[Any], dict[str, str]]:
     return [_tree.map_leaves(widened, t) for t in trees], targets
 
 
+def widened_pair(x: _leaf.ArrayLeaf, y: _leaf.ArrayLeaf, text: str) -> tuple[Any, Any] | None:
+    """Two leaves of one shape and different dtypes, both in the dtype that holds each
+    exactly (``_dtypes.common``: a model and its bf16 cast meet in float32), read lazily;
+    None where their values cannot be compared."""
+    target = _dtypes.common(x.dtype_name, y.dtype_name) if tuple(x.shape) == tuple(y.shape) else None
+    if target is None:
+        return None
+
+    def widened(leaf: _leaf.ArrayLeaf) -> Any:
+        return leaf if leaf.dtype_name == target else cast_leaf(leaf, target, text, lambda message: None)
+
+    return widened(x), widened(y)
+
+
 def averaged_leaf(leaves: list[_leaf.ArrayLeaf], weights: list[float], out_dtype: str, keypath: str,
                    names: list[str], report: AverageReport, convex: bool) -> _leaf.ComputedLeaf:
     import numpy as np

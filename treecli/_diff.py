@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from treecli import _dtypes, _keypath, _leaf, _tree
+from treecli import _combine, _dtypes, _keypath, _leaf, _tree
 from treecli._keypath import format_keypath
 
 
@@ -125,7 +125,7 @@ def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
             return Change(text, _describe_value(x), _describe_value(y))
         return None
     if not _tree.same_layout(x, y):
-        pair = widened_pair(_leaf.as_leaf(x), _leaf.as_leaf(y), text)
+        pair = _combine.widened_pair(_leaf.as_leaf(x), _leaf.as_leaf(y), text)
         if pair is None:
             return Change(text, _tree.describe_leaf(x), _tree.describe_leaf(y))
         # Dtypes differ: never "equal", whatever the tolerances; the values are compared, to
@@ -135,22 +135,6 @@ def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:
                       found.max_abs_diff if found else 0.0, found.max_rel_diff if found else 0.0,
                       found.nonfinite if found else 0, compared_in=pair[0].dtype_name)
     return _compare_arrays(_leaf.as_leaf(x), _leaf.as_leaf(y), text, rtol, atol, progress)
-
-
-def widened_pair(x: _leaf.ArrayLeaf, y: _leaf.ArrayLeaf, text: str) -> tuple[Any, Any] | None:
-    """Two leaves of one shape and different dtypes, both in the dtype that holds each
-    exactly (``_dtypes.common``: a model and its bf16 cast meet in float32), read lazily;
-    None where their values cannot be compared."""
-    from treecli._combine import cast_leaf
-
-    target = _dtypes.common(x.dtype_name, y.dtype_name) if tuple(x.shape) == tuple(y.shape) else None
-    if target is None:
-        return None
-
-    def widened(leaf: _leaf.ArrayLeaf) -> Any:
-        return leaf if leaf.dtype_name == target else cast_leaf(leaf, target, text, lambda message: None)
-
-    return widened(x), widened(y)
 
 
 def _compare_arrays(x, y, text, rtol, atol, progress) -> Change | None:

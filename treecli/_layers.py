@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treecli import _dtypes, _keypath, _leaf, _tree
-from treecli._diff import widened_pair
+from treecli._combine import widened_pair
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 
