@@ -172,3 +172,25 @@ def test_result_shape_is_numpys_without_numpy():
                         result_shape(shape, index)
                     continue
                 assert result_shape(shape, index) == expected, (shape, index)
+
+
+def test_an_index_of_many_nones_is_refused_never_written_unreadable(cli, tmp_path):
+    save_file({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "a.safetensors"))
+    many = ",".join(["None"] * 20_000)
+    result = cli("slice", tmp_path / "a.safetensors", "--index", many, "-o", tmp_path / "s.safetensors")
+    assert_clean_error(result, "w: index [None, None", "more characters)] does not fit shape [2, 3]",
+                       "the result would have 20002 dimensions", "at most 64")
+    assert len(result.stderr) < 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+    with pytest.raises(UsageError, match="at most 64"):  # the Python API, on any tree
+        treecli.slice_tree({"w": np.ones(3, np.float32)}, [",".join(["None"] * 64)])
+    # and whatever leaf a tree holds, no format writes what NumPy could not read back
+    from treecli._leaf import ComputedLeaf
+
+    deep = {"w": ComputedLeaf((1,) * 65, "float32", fill=lambda start, stop, out: None)}
+    for name in ("s.npz", "s.msgpack", "s.safetensors"):
+        with pytest.raises(treecli.TreecliError, match="w: a leaf of 65 dimensions"):
+            treecli.save(deep, tmp_path / name)
+    edge = cli("slice", tmp_path / "a.safetensors", "--index", ",".join(["None"] * 62), "-o", tmp_path / "e.npz")
+    assert edge.code == 0, edge.stderr
+    assert treecli.load(tmp_path / "e.npz")["w"].shape == (1,) * 62 + (2, 3)

@@ -103,6 +103,21 @@ def test_a_training_checkpoint_is_a_tree_like_any_other(tmp_path, cli):
         tensor_bytes(expected["optimizer"]["state"][1]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("target", ["train.npz", "train.safetensors"])
+def test_convert_keeps_the_numbers_a_format_holds_as_0d_arrays_as_the_api_does(tmp_path, cli, target):
+    path = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2, 3)}, "epoch": 3, "lr": 0.1, "betas": (0.9, 0.999), "name": "run"}, path)
+    result = cli("convert", path, tmp_path / target, "--drop-unsupported")
+    assert result.code == 0, result.stderr
+    assert "dropped 1 leaf" in result.stderr and "name (str)" in result.stderr
+    got = leaves(treecli.load(tmp_path / target))
+    assert set(got) == {"model.w", "epoch", "lr", "betas.0", "betas.1"}
+    assert np.asarray(got["epoch"]).dtype == np.int64 and int(np.asarray(got["epoch"])) == 3
+    assert float(np.asarray(got["lr"])) == 0.1 and float(np.asarray(got["betas.1"])) == 0.999
+    treecli.save(treecli.load(path), tmp_path / ("api_" + target), drop_unsupported=True)
+    assert cli("diff", tmp_path / target, tmp_path / ("api_" + target)).code == 0  # one decision, both roads
+
+
 def test_convert_to_safetensors_is_the_state_dict_safetensors_writes(tmp_path, cli):
     from safetensors.torch import save_file
 

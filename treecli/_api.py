@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from treecli import _average, _diff, _edit, _merge, _pytree, _slice, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
-from treecli.formats import WriteOptions, open_checkpoint, output_format, save as _save
+from treecli.formats import WriteOptions, open_checkpoint, save as _save
 from treecli.formats._base import Checkpoint
 
 
@@ -136,9 +136,6 @@ def save(
             drops them with a warning).
     """
     native, structure = _pytree.to_native(tree)
-    fmt, _ = output_format(Path(path), format, None)
-    if not fmt.holds_numbers:  # TrainState.step = 0 in safetensors: a 0-d int64
-        native = _pytree.numbers_as_arrays(native)
     metadata = dict(metadata or {})
     keys = {format_keypath(kp): leaf.key_impl for kp, leaf in _tree.flatten(native)
             if isinstance(leaf, _pytree.KeyData)}

@@ -64,6 +64,11 @@ def quote(text: str) -> str:
     return '"' + _UNSAFE.sub(_escape, text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
+def clipped(text: str, limit: int = 60) -> str:
+    """At most ``limit`` characters of ``text`` (a value quoted in a message), the rest counted."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
 def json_text(document: str) -> str:
     """A JSON document with the controls JSON leaves raw (DEL, C1, bidi) escaped as ``\\uXXXX``."""
     # JSON escapes every C0 control in its strings: in an ASCII document (a flag Python keeps)

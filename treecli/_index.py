@@ -16,6 +16,7 @@ from treecli._keypath import MAX_INDEX_DIGITS
 Index = tuple  # tuple[int | slice | EllipsisType | None, ...]
 
 _INT = re.compile(r"[+-]?\d+")
+MAX_NDIM = 64  # NumPy's limit
 
 
 def parse(text: str) -> Index:
@@ -115,7 +116,11 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
             if not -shape[axis] <= item < shape[axis]:
                 raise IndexError(f"index {item} is out of bounds for axis {axis} with size {shape[axis]}")
             axis += 1
-    return tuple(out) + tuple(shape[axis:])
+    result = tuple(out) + tuple(shape[axis:])
+    if len(result) > MAX_NDIM:
+        raise IndexError(f"the result would have {len(result)} dimensions; NumPy (and so treecli) reads at most "
+                         f"{MAX_NDIM}")
+    return result
 
 
 def selectors(shape: tuple[int, ...], index: Index) -> list[int | range]:

@@ -201,8 +201,8 @@ def numbers_as_arrays(tree: Any) -> Any:
     """A native tree with each Python number as the 0-d NumPy array Equinox would save."""
 
     def as_array(_: KeyPath, value: Any) -> Any:
-        if not isinstance(value, _NUMBERS):
-            return value
+        if not isinstance(value, _NUMBERS) or isinstance(value, int) and not -2**63 <= value < 2**63:
+            return value  # (an int no int64 holds stays a number, which the format refuses by name)
         import numpy as np
 
         return np.asarray(value)

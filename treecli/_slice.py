@@ -18,6 +18,7 @@ from typing import Any
 
 from treecli import _index, _keypath, _leaf, _tree
 from treecli._errors import KeyPathError, UsageError, option
+from treecli._escape import clipped
 from treecli._keypath import format_keypath
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf, ComputedLeaf
 
@@ -99,7 +100,7 @@ def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
             shape = _index.result_shape(leaf.shape, rule.index)
         except IndexError as e:
             raise UsageError(
-                f"index [{_index.format_index(rule.index)}] does not fit shape {list(leaf.shape)}: {e}",
+                f"index [{clipped(_index.format_index(rule.index))}] does not fit shape {list(leaf.shape)}: {e}",
                 keypath=text,
             ) from None
         report.changed.append((text, leaf.shape, shape, leaf.dtype_name, rule.text))

@@ -49,7 +49,7 @@ def convert(
     from treecli._keypath import format_keypath
     from treecli._verify import Verifier
     from treecli._errors import UsageError, option
-    from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantized_in_gguf
+    from treecli.formats import GGUF_QUANTIZATIONS, held_by, is_url, output_format, quantized_in_gguf
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt:
@@ -68,6 +68,8 @@ def convert(
                 and _leaf.as_leaf(x).dtype_name != name else x, tree)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
         decided = None if is_url(target) else output_format(Path(target), format, ckpt.format)
+        if decided:  # (what the verification compares: the tree as the format will hold it)
+            tree = held_by(tree, decided[0], target)
         verify = None if no_verify or decided is None else Verifier(
             tree, decided[0], drop_unsupported, progress=out.progress, like=ckpt.like)
         written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,

@@ -255,12 +255,14 @@ def save(
             fmt, _ = output_format(key, format, input_format)
         except TreecliError as e:
             raise e.with_file(target, replace=str(key))
+        tree = held_by(tree, fmt, target)
         _outputs.write_remote(fmt, tree, target, options, [*inputs, *_tree.sources(tree)], force)
         return target
     target = Path(target)
     fmt, is_dir = decided or output_format(target, format, input_format)
     if not fmt.writable:
         raise UsageError(f"treecli cannot write {fmt.name} files", file=str(target))
+    tree = held_by(tree, fmt, str(target))
     # the inputs the caller names, and every file the tree's lazy leaves still read from
     sources = _outputs.sources_of([*inputs, *map(Path, _tree.sources(tree))])
     with _writing(target):
@@ -271,6 +273,26 @@ def save(
         else:
             _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
     return target
+
+
+def held_by(tree: Any, fmt: Format, file: str) -> Any:
+    """``tree`` as ``fmt`` holds it, decided here for the CLI and the Python API alike:
+    Python numbers as 0-d arrays where the format stores no numbers (``3`` as int64, as
+    Equinox does); and no leaf that could not be read back, refused before a byte is
+    written. Idempotent: a verification takes the tree as it will be written.
+
+    Raises:
+        TreecliError: a leaf of more dimensions than NumPy (and so treecli) reads.
+    """
+    from treecli import _leaf, _pytree
+    from treecli._index import MAX_NDIM
+    from treecli._keypath import format_keypath
+
+    for keypath, leaf in _tree.flatten(tree):
+        if _leaf.is_array(leaf) and len(leaf.shape) > MAX_NDIM:
+            raise TreecliError(f"a leaf of {len(leaf.shape)} dimensions; NumPy, and so treecli, reads at most "
+                               f"{MAX_NDIM}: nothing written", file=file, keypath=format_keypath(keypath)[:80])
+    return tree if fmt.holds_numbers else _pytree.numbers_as_arrays(tree)
 
 
 def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,
