@@ -335,13 +335,18 @@ def test_a_file_sliced_to_a_name_without_extension_says_it_became_a_directory(tm
 
 
 @pytest.mark.parametrize("view", [[], ["--flat"], ["--depth", "2"]])
-def test_a_narrow_terminal_leaves_columns_out_and_says_so_never_cropping_cells(monkeypatch, view):
+def test_a_narrow_terminal_leaves_columns_out_and_says_so_never_cropping_cells(monkeypatch, view, tmp_path):
     _on_a_terminal(monkeypatch)
     monkeypatch.setenv("COLUMNS", "56")
-    result = run_cli("show", Path(__file__).parent.parent / "examples/tiny.safetensors", *view)
+    # from any clone path: the file's name, however long, goes on over lines, never cropped
+    deep = tmp_path / ("a_directory_with_a_long_name_" * 4) / "tiny.safetensors"
+    deep.parent.mkdir()
+    deep.write_bytes((Path(__file__).parent.parent / "examples/tiny.safetensors").read_bytes())
+    result = run_cli("show", deep, *view)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert all(len(line) <= 56 and "…" not in line for line in lines), result.stdout
+    assert "".join(lines[: (len(str(deep)) + 55) // 56]) == str(deep)
     said = " ".join(line for line in lines if line.startswith("(left out") or "all in --json)" in line)
     assert said.startswith("(left out to fit: ") and said.endswith("all in --json)"), result.stdout
     assert "19 arrays" in result.stdout and "31.3 KiB" in result.stdout  # the headline, wrapped

@@ -374,7 +374,9 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
     head = headline(file, fmt, root, totals)
     if width and sum(len(text) for text, _ in head) > width:  # the file on a line, the totals below it
         totals_text = head[1][0].strip().split(" · ")
-        head_lines = [[head[0]]] + [[(line, "")] for line in _joined_to_fit(totals_text, " · ", width)]
+        name = head[0][0]  # a name longer than the line goes on over the next ones, never cropped
+        head_lines = [[(name[i:i + width], "bold")] for i in range(0, len(name), width)]
+        head_lines += [[(line, "")] for line in _joined_to_fit(totals_text, " · ", width)]
     else:
         head_lines = [head]
     parts: list[Iterable[Line]] = [head_lines, info_lines(info), [[]]]
