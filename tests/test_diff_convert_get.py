@@ -2,6 +2,7 @@ import threading
 
 import numpy as np
 import pytest
+from safetensors import deserialize
 from safetensors.numpy import load_file, save_file
 
 import treecli
@@ -278,3 +279,61 @@ def test_diff_statistics_over_infinities_and_nan_are_defined(cli, tmp_path):
     save_file(same_infs[1], str(tmp_path / "d.safetensors"))
     [change] = cli("diff", tmp_path / "c.safetensors", tmp_path / "d.safetensors", "--json").json["changed"]
     assert change["max_abs_diff"] == 0.5 and "nonfinite_mismatches" not in change
+
+
+def _layered(path):
+    treecli.save({"model": {"layers": {"0": {"w": np.arange(4, dtype=np.float32).reshape(2, 2).astype(BF16),
+                                             "b": np.ones(2, np.float32)},
+                                       "1": {"w": np.full((2, 2), 3, BF16)}},
+                            "norm": np.ones(2, np.float32)}}, path)
+
+
+def test_get_writes_a_leaf_or_subtree_of_any_dtype_at_its_key_paths_to_any_format(cli, tmp_path):
+    src = tmp_path / "m.safetensors"
+    _layered(src)
+    result = cli("get", src, "model.layers.0", "-o", tmp_path / "layer0.safetensors")
+    assert result.code == 0, result.stderr
+    names = {name: t["dtype"] for name, t in deserialize((tmp_path / "layer0.safetensors").read_bytes())}
+    assert names == {"model.layers.0.w": "BF16", "model.layers.0.b": "F32"}
+    assert cli("get", src, "model.layers.1.w", "-o", tmp_path / "w.npz").code == 0
+    got = treecli.load(tmp_path / "w.npz")["model"]["layers"]["1"]["w"]
+    assert np.asarray(got).dtype == BF16 and np.asarray(got).tobytes() == np.full((2, 2), 3, BF16).tobytes()
+    # .npy cannot name bf16: the hint is the user's own command, with their path
+    npy = cli("get", src, "model.layers.0.w", "-o", tmp_path / "w.npy")
+    assert_clean_error(npy, "cannot name bfloat16", f"treecli get {src} model.layers.0.w -o w.safetensors")
+    subtree = cli("get", src, "model.layers")
+    assert_clean_error(subtree, f"treecli show {src} --where model.layers", "-o subtree.safetensors")
+    assert "CKPT" not in npy.stderr + subtree.stderr
+
+
+def test_convert_where_writes_only_the_subtrees_named(cli, tmp_path):
+    src = tmp_path / "m.safetensors"
+    _layered(src)
+    result = cli("convert", src, tmp_path / "w.npz", "--where", "model.layers.*.w", "--where", "model.norm")
+    assert result.code == 0 and "verified" in result.stderr, result.stderr
+    written = treecli.load(tmp_path / "w.npz")
+    assert sorted(written["model"]) == ["layers", "norm"] and sorted(written["model"]["layers"]["0"]) == ["w"]
+    assert np.asarray(written["model"]["layers"]["1"]["w"]).dtype == BF16
+    assert_clean_error(cli("convert", src, tmp_path / "x.npz", "--where", "model.layer.*"), "matches nothing",
+                       "closest")
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_an_npy_output_of_a_checkpoint_names_the_user_s_checkpoint_in_its_hint(cli, tmp_path):
+    src = tmp_path / "my model.safetensors"
+    _layered(src)
+    result = cli("convert", src, tmp_path / "all.npy")
+    assert_clean_error(result, f"treecli get '{src}' KEYPATH -o leaf.npy")
+
+
+def test_get_json_of_a_leaf_larger_than_memory_allows_is_refused_before_reading(cli, tmp_path, monkeypatch):
+    from treecli import _memory
+
+    src = tmp_path / "m.safetensors"
+    save_file({"big": np.zeros((64, 1024), np.float32)}, str(src))
+    monkeypatch.setattr(_memory, "available", lambda: 1 << 20)  # 1 MiB left: 64K elements need ~6 MiB
+    result = cli("get", src, "big", "--json")
+    assert_clean_error(result, "--json of 65,536 elements needs about", "-o leaf.npy")
+    monkeypatch.setattr(_memory, "available", lambda: 1 << 30)
+    fits = cli("get", src, "big", "--json")
+    assert fits.code == 0 and len(fits.json["value"]) == 64

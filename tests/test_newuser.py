@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from .conftest import assert_clean_error, run_cli
 
@@ -119,11 +119,11 @@ def test_format_contradicting_the_name_is_an_error(tmp_path):
     assert_clean_error(run_cli("convert", src, tmp_path / "o.safetensors", "--format", "npz"), "--format")
 
 
-def test_get_writes_only_npy(tmp_path):
+def test_get_writes_npy_and_any_other_format_by_the_output_s_name(tmp_path):
     src = tmp_path / "m.safetensors"
     save_file({"w": np.ones(2, np.float32)}, str(src))
-    assert_clean_error(run_cli("get", src, "w", "-o", tmp_path / "w.safetensors"), ".npy")
-    assert not (tmp_path / "w.safetensors").exists()
+    assert run_cli("get", src, "w", "-o", tmp_path / "w.safetensors").code == 0
+    assert load_file(str(tmp_path / "w.safetensors"))["w"].tolist() == [1, 1]
     assert run_cli("get", src, "w", "-o", tmp_path / "w.npy").code == 0
     assert np.load(tmp_path / "w.npy").tolist() == [1, 1]
 
@@ -350,3 +350,16 @@ def test_a_narrow_terminal_leaves_columns_out_and_says_so_never_cropping_cells(m
     said = " ".join(line for line in lines if line.startswith("(left out") or "all in --json)" in line)
     assert said.startswith("(left out to fit: ") and said.endswith("all in --json)"), result.stdout
     assert "19 arrays" in result.stdout and "31.3 KiB" in result.stdout  # the headline, wrapped
+
+
+def test_format_help_names_every_format_the_registry_reads_and_writes():
+    from treecli import formats
+    from treecli.cli import _options
+
+    def names(text: str) -> list[str]:
+        return text.replace(" or ", ", ").split(", ")
+
+    assert names(_options.READ_FORMATS) == list(formats.FORMATS)
+    assert names(_options.WRITTEN_FORMATS) == [n for n in formats.FORMATS if formats.get(n).writable]
+    shown = " ".join(run_cli("convert", "--help").stdout.split())
+    assert "Format of the output: safetensors, npz, msgpack, npy, eqx, orbax, torch or gguf" in shown

@@ -310,7 +310,18 @@ def test_dangling_symlink_and_missing_directory_outputs(cli, mixed_file, tmp_pat
     dangling = tmp_path / "dangling.safetensors"
     dangling.symlink_to(tmp_path / "nowhere")
     assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", dangling), "dangling")
-    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "no" / "o.safetensors"), "does not exist")
+    # a missing directory is made, as mkdir -p (mergekit and Orbax do so) ...
+    made = cli("edit", path, "--scale", "**=1", "-o", tmp_path / "no" / "deeper" / "o.safetensors")
+    assert made.code == 0 and (tmp_path / "no" / "deeper" / "o.safetensors").is_file(), made.stderr
+    # ... and made only for an output that is written: a failure leaves none of them
+    before = snapshot(tmp_path)
+    assert_clean_error(cli("edit", path, "--scale", "nothing.**=1", "-o", tmp_path / "new" / "sub" / "o.safetensors"),
+                       "matches nothing")
+    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "new" / "o.npy"), "one array")
+    (tmp_path / "a_file").write_text("x")
+    assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "a_file" / "o.safetensors"),
+                       "is not a directory")
+    assert {k: v for k, v in snapshot(tmp_path).items() if k != "a_file"} == before and not (tmp_path / "new").exists()
     (tmp_path / "adir").mkdir()
     assert_clean_error(cli("edit", path, "--scale", "**=1", "-o", tmp_path / "adir", "--format", "npz"))
 

@@ -15,7 +15,7 @@ flat formats run on NumPy alone. Conventions:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Container, Iterator
+from typing import Any, Callable, Container, Iterator, Sequence
 
 from treecli import _keypath, _leaf
 from treecli._errors import KeyPathError
@@ -207,6 +207,23 @@ def resolve(tree: Any, pattern_text: str) -> list[KeyPath]:
     if not found:
         raise no_match(tree, pattern_text)
     return found
+
+
+def selected(tree: Any, where: Sequence[str]) -> Any:
+    """The part of ``tree`` under the nodes the ``where`` patterns name, every leaf at its
+    own key path (lists stay lists where whole).
+
+    Raises:
+        KeyPathError: a pattern that matches nothing (naming the closest key paths).
+    """
+    patterns = [_keypath.parse(text) for text in where]
+    for text, pattern in zip(where, patterns):
+        if not any(_keypath.matches(pattern, kp) for kp, _ in iter_nodes(tree)):
+            raise no_match(tree, text)
+    kept = [(kp, leaf) for kp, leaf in flatten(tree) if any(_keypath.covers(p, kp) for p in patterns)]
+    # (a sequence kept in part is a dict by index: its leaves keep their numbers)
+    sequences = {kp for kp, node in iter_nodes(tree) if isinstance(node, (list, tuple))}
+    return unflatten(kept, lists=sequences) if kept else {}
 
 
 def describe_leaf(leaf: Any) -> str:

@@ -84,6 +84,7 @@ def write_output(
             like=source.like,
             progress=advance,
             warn=out.warn,
+            source=str(source.file),
         )
         if in_place:
             target = save_in_place(tree, source, format=format, options=options)

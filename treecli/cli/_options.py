@@ -16,21 +16,25 @@ CheckpointArg = Annotated[
                    "bucket (s3://BUCKET/KEY, gs://BUCKET/KEY).",
                    show_default=False, metavar="CHECKPOINT"),
 ]
+# The registry's names (formats.FORMATS), spelled out so that --help imports no format
+# (tests/test_newuser.py holds them to the registry).
+READ_FORMATS = "safetensors, npz, msgpack, npy, eqx, orbax, torch, gguf or dcp"
+WRITTEN_FORMATS = "safetensors, npz, msgpack, npy, eqx, orbax, torch or gguf"
 FormatOpt = Annotated[
     Optional[str],
-    typer.Option("--format", "-f", help="Format of the input (default: detected from its bytes or layout).",
-                 autocompletion=complete_formats, show_default=False),
+    typer.Option("--format", "-f", help=f"Format of the input: {READ_FORMATS} (default: detected from its bytes "
+                 "or layout).", autocompletion=complete_formats, show_default=False),
 ]
 OutputFormatOpt = Annotated[
     Optional[str],
-    typer.Option("--format", "-f", help="Format of the output: safetensors or orbax (default: from the -o name, "
-                 "else the input's). Orbax's writer holds the whole output in memory (about 4x its size); "
-                 "safetensors streams.", autocompletion=complete_formats, show_default=False),
+    typer.Option("--format", "-f", help=f"Format of the output: {WRITTEN_FORMATS} (default: from the -o name, "
+                 "else the input's). Orbax's writer holds the whole output in memory (about 4x its size); the "
+                 "others stream.", autocompletion=complete_formats, show_default=False),
 ]
 InputFormatOpt = Annotated[
     Optional[str],
-    typer.Option("--input-format", help="Format of the input (default: detected from its bytes or layout).",
-                 autocompletion=complete_formats, show_default=False),
+    typer.Option("--input-format", help=f"Format of the input: {READ_FORMATS} (default: detected from its bytes "
+                 "or layout).", autocompletion=complete_formats, show_default=False),
 ]
 StepOpt = Annotated[
     Optional[int],

@@ -24,6 +24,7 @@ def convert(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,
     drop_unsupported: opt.DropUnsupportedOpt = False,
+    where: opt.WhereOpt = None,
     input_format: opt.InputFormatOpt = None,
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
@@ -42,6 +43,7 @@ def convert(
         treecli convert orbax_ckpt model.safetensors --drop-unsupported
         treecli convert model.safetensors hf_dir --max-shard-size 5GB
         treecli convert model.safetensors ckpt_dir --format orbax
+        treecli convert model.safetensors layer0.safetensors --where 'model.layers.0.**'
     """
     from treecli import _dtypes, _leaf, _tree
     from treecli._combine import cast_leaf
@@ -53,7 +55,7 @@ def convert(
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt:
-        tree = ckpt.tree
+        tree = _tree.selected(ckpt.tree, where) if where else ckpt.tree
         report = EditReport()
         if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights
             if output_format(Path(target), format, ckpt.format)[0].name != "gguf":

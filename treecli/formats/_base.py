@@ -101,6 +101,14 @@ class WriteOptions:
     readback: Any = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
+    #: The input's file or URL as the user gave it, for the commands a hint suggests.
+    source: str | None = None
+
+    def source_in_hint(self) -> str:
+        """The input as a hint's command names it: the user's own path, shell-quoted."""
+        import shlex
+
+        return shlex.quote(self.source) if self.source else "CHECKPOINT"
 
     def refuse_or_drop(self, unsupported: list[str], holder: str, file: str) -> None:
         """What a format cannot hold (``"name (why)"`` lines): an error listing them, or,

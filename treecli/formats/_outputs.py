@@ -28,7 +28,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _atomic, _tree
 from treecli._bytes import writer
@@ -108,16 +108,49 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     ``verify`` is called with the finished temporary before it is published: a
     failure leaves the previous output (or none) and no new one.
     """
-    existing = check_target(target, sources, force=force)
-    check_room(fmt, tree, target.parent, target)
-    if verify:
-        options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
-                                      readback=getattr(verify, "readback", None))
+    with _parents_made(target):
+        existing = check_target(target, sources, force=force)
+        check_room(fmt, tree, target.parent, target)
+        if verify:
+            options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
+                                          readback=getattr(verify, "readback", None))
+        try:
+            _write_new(fmt, tree, target, is_dir, existing, options, sources, verify)
+        finally:
+            if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
+                options.readback.close()
+
+
+@contextlib.contextmanager
+def _parents_made(target: Path) -> Iterator[None]:
+    """The directories above ``target`` that do not exist yet, made (as ``mkdir -p``, as
+    mergekit and Orbax do); removed again, when still empty, if the write fails: nothing
+    is left of an output that was not written.
+
+    Raises:
+        UsageError: something on the way is not a directory.
+    """
+    missing = []
+    parent = target.parent
+    while not parent.exists():
+        if parent.is_symlink():
+            raise UsageError(f"{str(parent)!r} is a dangling symbolic link, not a directory", file=str(target))
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{str(parent)!r} is not a directory", file=str(target))
+    made = []
     try:
-        _write_new(fmt, tree, target, is_dir, existing, options, sources, verify)
-    finally:
-        if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
-            options.readback.close()
+        for directory in reversed(missing):
+            os.mkdir(directory)
+            made.append(directory)
+            _atomic.fsync_path(directory.parent)  # (its own entry lasts; the output's is synced by its writer)
+        yield
+    except BaseException:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
 
 
 def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.stat_result | None,

@@ -34,12 +34,14 @@ class NpyFormat(Format):
         if not _leaf.is_array(tree):
             from treecli.formats import WRITES
 
-            raise UsageError("an .npy file holds one array, not a checkpoint (one leaf: treecli get CKPT KEYPATH -o "
-                             f"leaf.npy); treecli writes {WRITES}", file=str(target))
+            raise UsageError("an .npy file holds one array, not a checkpoint (one leaf: treecli get "
+                             f"{options.source_in_hint()} KEYPATH -o leaf.npy); treecli writes {WRITES}",
+                             file=str(target))
         leaf = _leaf.as_leaf(tree)
         if _dtypes.kind(leaf.dtype_name) == "V" or _dtypes.needs_ml_dtypes(leaf.dtype_name):
             raise UsageError(f"the .npy format cannot name {leaf.dtype_name} (NumPy would write raw void bytes); "
-                             "write safetensors instead: treecli edit CKPT --delete ... -o leaf.safetensors",
+                             f"write safetensors instead: treecli get {options.source_in_hint()} KEYPATH -o "
+                             "leaf.safetensors",
                              file=str(target))
         with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
             _npy.write(f, leaf, _npy.header(leaf), file=str(target), writeback=options.writeback(f),
