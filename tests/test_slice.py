@@ -194,3 +194,19 @@ def test_an_index_of_many_nones_is_refused_never_written_unreadable(cli, tmp_pat
     edge = cli("slice", tmp_path / "a.safetensors", "--index", ",".join(["None"] * 62), "-o", tmp_path / "e.npz")
     assert edge.code == 0, edge.stderr
     assert treecli.load(tmp_path / "e.npz")["w"].shape == (1,) * 62 + (2, 3)
+
+
+def test_an_index_that_takes_norms_apart_warns_and_names_the_way_to_a_layer(cli, tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file({f"model.layers.{i}.{name}": np.ones(shape, np.float32) for i in range(2)
+               for name, shape in (("mlp.weight", (4, 3)), ("input_layernorm.weight", (3,)))}, str(src))
+    result = cli("slice", src, "--index", "model.layers.*=0", "-o", tmp_path / "s.safetensors")
+    assert result.code == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "one element of 2 vectors" in warning[0]
+    assert "model.layers.0.input_layernorm.weight" in warning[0] and f"treecli get {src} KEYPATH" in warning[0]
+    rows = cli("slice", src, "--index", "model.layers.*=:2", "-o", tmp_path / "t.safetensors")
+    assert rows.code == 0 and "warning" not in rows.stderr  # a range keeps every axis
+    layer = cli("get", src, "model.layers.0", "-o", tmp_path / "layer0.safetensors")  # docs/remote.md's way
+    assert layer.code == 0 and sorted(load_file(str(tmp_path / "layer0.safetensors"))) == [
+        "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.weight"]

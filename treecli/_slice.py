@@ -57,6 +57,11 @@ class SliceReport:
     skipped: list[str] = field(default_factory=list)  # default rule, too few dimensions
     passed_through: int = 0
 
+    def vectors_taken_apart(self) -> list[str]:
+        """The 1-d leaves (a norm's or a bias's weights) an integer index took one element
+        of: what ``model.layers.*=0`` does to a layer's norms when a layer was meant."""
+        return [keypath for keypath, before, after, _, _ in self.changed if len(before) == 1 and not after]
+
 
 def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
     """Apply index rules to a tree; returns the new tree (computed leaves) and a report.

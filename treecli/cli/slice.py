@@ -50,8 +50,10 @@ def slice_(
         treecli slice ckpt --index 'params.**.kernel=..., :64' --dry-run
         treecli slice ckpt.safetensors --index 0 -o member0.safetensors --json
     """
+    import shlex
+
     from treecli import _render
-    from treecli._errors import UsageError
+    from treecli._errors import UsageError, counted
     from treecli._slice import slice_tree
 
     out = Output(quiet=quiet)
@@ -64,6 +66,11 @@ def slice_(
             n = len(report.skipped)
             notes.append(f"default index skipped {n} {'leaf' if n == 1 else 'leaves'} with too few dimensions "
                          f"(e.g. {report.skipped[0]})")
+        taken_apart = report.vectors_taken_apart()
+        if taken_apart:  # an index along each leaf's first axis is not "these layers"
+            out.warn(f"the index took one element of {counted(len(taken_apart), 'vector')}, its only axis gone "
+                     f"(e.g. {taken_apart[0]}); for whole subtrees (a layer), write treecli get "
+                     f"{shlex.quote(str(checkpoint))} KEYPATH -o OUT or treecli convert --where PATTERN")
         if dry_run and not json:
             for line in notes:
                 out.note(line)
