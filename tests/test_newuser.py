@@ -330,7 +330,8 @@ def test_a_file_sliced_to_a_name_without_extension_says_it_became_a_directory(tm
     result = run_cli("slice", Path(__file__).parent.parent / "examples/tiny.safetensors", "--index", "0", "-o", out)
     assert result.code == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert "no extension, so it is an HF safetensors directory" in lines[0] and "out.safetensors" in lines[0]
+    said = [line for line in lines if "no extension" in line]
+    assert len(said) == 1 and "so it is an HF safetensors directory" in said[0] and "out.safetensors" in said[0]
     assert lines[-1] == f"treecli: wrote {out}" and (out / "model.safetensors").is_file()
 
 
@@ -363,3 +364,33 @@ def test_format_help_names_every_format_the_registry_reads_and_writes():
     assert names(_options.WRITTEN_FORMATS) == [n for n in formats.FORMATS if formats.get(n).writable]
     shown = " ".join(run_cli("convert", "--help").stdout.split())
     assert "Format of the output: safetensors, npz, msgpack, npy, eqx, orbax, torch or gguf" in shown
+
+
+@pytest.mark.parametrize("args, line", [
+    (["show", "{tmp}/missing.safetensors", "--json"], "{tmp}/missing.safetensors: no such file or directory"),
+    (["get", "{tmp}/m.safetensors", "nope", "--json"], "{tmp}/m.safetensors: nope: matches nothing"),
+    (["diff", "{tmp}/m.safetensors", "{tmp}/m.safetensors", "--json", "--bogus"], "No such option: --bogus"),
+])
+def test_a_json_failure_is_a_json_document_on_stdout_and_the_line_on_stderr(tmp_path, args, line):
+    import json
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "m.safetensors"))
+    result = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    assert_clean_error(result)
+    document = json.loads(result.stdout)["error"]
+    assert document["line"] == line.format(tmp=tmp_path)
+    assert result.stderr.splitlines()[0] == "treecli: error: " + document["line"]
+    if "bogus" not in line:
+        assert document["file"].endswith(".safetensors") and document["message"] in document["line"]
+
+
+def test_an_error_line_is_bounded_whatever_built_it(tmp_path):
+    from treecli.cli import _print_error
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        _print_error("x" * 10_000_000, ["y" * 10_000])
+    assert len(err.getvalue()) < 5000 and "more characters" in err.getvalue()

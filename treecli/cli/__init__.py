@@ -193,19 +193,20 @@ def _run_app(args: list[str]) -> int:
     except TreecliError as e:
         if _Session.debug:
             raise
-        _print_error(e.headline(), e.details)
+        _print_error(e.headline(), e.details, json="--json" in args, error=e)
         return ExitStatus.NOT_DURABLE if isinstance(e, NotDurableError) else ExitStatus.ERROR
     except typer.TyperException as e:  # Click usage errors: bad option, missing argument
         if _Session.debug:
             raise
-        _print_error(e.format_message())
+        _print_error(e.format_message(), json="--json" in args)
         return ExitStatus.ERROR
     except (BrokenPipeError, OutputClosed):  # `treecli show big | head`: diff keeps its verdict itself
         return ExitStatus.OK
     except Exception as e:
         if _Session.debug:
             raise
-        _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
+        _print_error(f"internal error: {type(e).__name__}: {e} (run with --debug for a traceback)",
+                     json="--json" in args)
         return ExitStatus.ERROR
 
 
@@ -229,15 +230,33 @@ def _warnings_as_lines():
         warnings.showwarning = shown
 
 
-def _print_error(headline: str, details: list[str] = ()) -> None:
-    from treecli._escape import visible
+# A message line is cut here, whatever built it: an error never floods a terminal.
+_MAX_LINE = 2000
 
-    _cluster.failed(" ".join(headline.splitlines()))  # the other processes of a run stop too
-    lines = [f"treecli: error: {' '.join(headline.splitlines())}"]
+
+def _print_error(headline: str, details: list[str] = (), *, json: bool = False, error: object = None) -> None:
+    """The error's one line on stderr (and its details under it); with ``--json``, also a
+    JSON document on stdout, so that a script reading it never reads nothing."""
+    from treecli._escape import clipped, visible
+
+    headline = clipped(" ".join(headline.splitlines()), _MAX_LINE)
+    details = [clipped(d, _MAX_LINE) for d in details]
+    _cluster.failed(headline)  # the other processes of a run stop too
+    lines = [f"treecli: error: {headline}"]
     lines += [f"    {d}" for d in details[:20]]
     if len(details) > 20:
         lines.append(f"    ... and {len(details) - 20} more")
     sys.stderr.write("\n".join(visible(line) for line in lines) + "\n")
+    if json:
+        import json as json_module
+
+        from treecli._escape import json_text
+
+        document = {"error": {"line": headline, "file": getattr(error, "file", None),
+                              "keypath": getattr(error, "keypath", None),
+                              "message": clipped(getattr(error, "message", headline), _MAX_LINE), "details": details}}
+        with contextlib.suppress(OSError):
+            sys.stdout.write(json_text(json_module.dumps(document, indent=2)) + "\n")
 
 
 def run() -> None:

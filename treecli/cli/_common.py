@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from treecli._errors import UsageError, counted
+from treecli._errors import KeyPathError, UsageError, counted
 from treecli.cli._output import Output
 from treecli.formats import WriteOptions, open_checkpoint, save
 from treecli.formats._base import Checkpoint
@@ -28,6 +29,16 @@ def open_input(out: Output, path: str | Path, format: str | None = None, step: i
     for warning in checkpoint.warnings:
         out.warn(f"{path}: {warning}")
     return checkpoint
+
+
+@contextlib.contextmanager
+def about(path: str | Path) -> Iterator[None]:
+    """Errors about key paths raised in this block name ``path``, the one input of the
+    command they can be about: ``FILE: KEYPATH: what`` (the library knows only the tree)."""
+    try:
+        yield
+    except KeyPathError as e:
+        raise e.with_file(str(path))
 
 
 @functools.lru_cache(maxsize=None)  # `average a.eqx b.eqx --like ...` builds it once

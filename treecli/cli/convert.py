@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, report_written, write_output, written_json
+from treecli.cli._common import about, open_input, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
@@ -54,7 +54,7 @@ def convert(
     from treecli.formats import GGUF_QUANTIZATIONS, held_by, is_url, output_format, quantized_in_gguf
 
     out = Output(quiet=quiet)
-    with open_input(out, source, input_format, step, like) as ckpt:
+    with open_input(out, source, input_format, step, like) as ckpt, about(source):
         tree = _tree.selected(ckpt.tree, where) if where else ckpt.tree
         report = EditReport()
         if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, report_written, write_output
+from treecli.cli._common import about, open_input, report_written, write_output
 from treecli.cli._complete import complete_cast
 from treecli.cli._output import Output
 
@@ -72,7 +72,7 @@ def edit(
     if not any((edits.rename, edits.delete, edits.set, edits.cast, edits.scale)):
         raise UsageError("nothing to do: give --rename, --delete, --set, --cast or --scale")
     with _updating(out, checkpoint) if in_place else contextlib.nullcontext(), \
-            open_input(out, checkpoint, input_format, step, like) as ckpt:
+            open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
         tree, report = edit_tree(ckpt.tree, edits)
         if dry_run and not json:
             out.lines(_render.table(["key path", "before", "after", "what"], [list(r) for r in report.rows]))

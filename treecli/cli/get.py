@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input
+from treecli.cli._common import about, open_input
 from treecli.cli._output import Output
 
 
@@ -40,7 +40,7 @@ def get(
     from treecli._errors import UsageError
 
     out = Output()
-    with open_input(out, checkpoint, format, step, like) as ckpt:
+    with open_input(out, checkpoint, format, step, like) as ckpt, about(checkpoint):
         found = _tree.resolve(ckpt.tree, keypath)
         if len(found) > 1:
             raise UsageError(f"names {len(found)} nodes; give one key path", file=str(checkpoint), keypath=keypath)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input
+from treecli.cli._common import about, open_input
 from treecli.cli._output import Output
 
 
@@ -47,7 +47,7 @@ def show(
     from treecli import _gc, _render, _summary
 
     out = Output(quiet=quiet)
-    with open_input(out, checkpoint, format, step, like) as ckpt:
+    with open_input(out, checkpoint, format, step, like) as ckpt, about(checkpoint):
         tree = ckpt.tree
         if item is not None:
             tree = {item: ckpt.item(item)}

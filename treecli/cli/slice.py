@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, report_written, write_output
+from treecli.cli._common import about, open_input, report_written, write_output
 from treecli.cli._output import Output
 
 
@@ -59,7 +59,7 @@ def slice_(
     out = Output(quiet=quiet)
     if output is None and not dry_run:
         raise UsageError("give -o OUTPUT, or --dry-run to see what would change")
-    with open_input(out, checkpoint, input_format, step, like) as ckpt:
+    with open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
         tree, report = slice_tree(ckpt.tree, index)
         notes = []
         if report.skipped:
