@@ -204,6 +204,9 @@ def test_item_restricts_show_to_one_item_of_a_step(cli, manager_root):
     document = cli("show", manager_root, "--item", "meta", "--json").json
     assert {leaf["keypath"] for leaf in document["leaves"]} == {"meta.step", "meta.tags.0"}
     assert_clean_error(cli("show", manager_root, "--item", "nope"), "no item 'nope'; items: meta, state")
+    text = cli("show", manager_root, "--item", "meta").stdout  # values only: no empty dtype table
+    assert "tags" in text and "dtype  arrays" not in text
+    assert "dtype    arrays" in cli("show", manager_root, "--item", "state").stdout
 
 
 def test_non_ocdbt_checkpoints_read_too(tmp_path):

@@ -382,7 +382,7 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
     parts: list[Iterable[Line]] = [head_lines, info_lines(info), [[]]]
     parts.append(flat_lines(root, stats=stats, width=width) if flat else
                  tree_lines(root, depth=depth, stats=stats, plain=plain, fold=fold, width=width))
-    if root.num_leaves:
+    if totals:  # (a tree of values only, a JSON item, has no dtypes to total)
         parts += [[[]], dtype_lines(root, totals, width)]
     if metadata:
         parts += [[[]], metadata_lines(metadata, width)]
