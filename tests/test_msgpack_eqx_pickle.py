@@ -103,3 +103,25 @@ def test_pickles_are_refused_by_their_bytes_and_never_run(tmp_path, cli):
     # read as a torch.save zip: its pickle names a global outside the allowlist, refused by name
     assert_clean_error(cli("show", torch_zip), "refused: the pickle names ", "open, which is not among")
     assert not sentinel.exists()
+
+
+def test_an_hf_flax_directory_is_a_checkpoint_with_its_companions(cli, tmp_path):
+    import json
+
+    import flax.serialization
+
+    repo = tmp_path / "gpt2-flax"
+    repo.mkdir()
+    params = {"transformer": {"wte": {"embedding": np.arange(8, dtype=np.float32).reshape(4, 2)},
+                              "h": {"0": {"ln_1": {"scale": np.ones(2, np.float32)}}}}}
+    (repo / "flax_model.msgpack").write_bytes(flax.serialization.to_bytes(params))
+    (repo / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    shown = cli("show", repo, "--json")
+    assert shown.code == 0 and shown.json["format"] == "msgpack", shown.stderr
+    assert {leaf["keypath"] for leaf in shown.json["leaves"]} == {"transformer.wte.embedding",
+                                                                   "transformer.h.0.ln_1.scale"}
+    result = cli("convert", repo, tmp_path / "out")
+    assert result.code == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert cli("diff", repo, tmp_path / "out").code == 0
+    assert_clean_error(cli("convert", repo, repo / "flax_model.msgpack", "--force"), "output is the input")

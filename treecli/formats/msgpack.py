@@ -21,7 +21,8 @@ from typing import Any
 from treecli import _dtypes, _leaf, _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
-from treecli.formats._base import Checkpoint, Format, WriteOptions
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._folder import companions
 from treecli._bytes.local import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
@@ -29,6 +30,7 @@ MAX_NODES = 2_000_000  # arrays, maps and lists in one file: 20x a 100k-tensor m
 _CHUNKED = "__msgpack_chunked_array__"
 _MAX_CHUNK = 2**30  # Flax's MAX_CHUNK_SIZE
 _MAP_FIRST_BYTES = set(range(0x80, 0x90)) | {0xDE, 0xDF}
+HF_FILE = "flax_model.msgpack"  # transformers' Flax weights in a model directory
 
 
 class MsgpackFormat(Format):
@@ -38,10 +40,11 @@ class MsgpackFormat(Format):
     holds_numbers = True  # a Python int is stored as an int, as Flax's msgpack does
     extensions = (".msgpack",)
     writable = True
+    directory_output = "safetensors"  # an HF Flax directory becomes an HF safetensors one, as transformers reads
 
     def sniff(self, path: Path) -> str | None:
-        if path.is_dir():
-            return "a directory"
+        if path.is_dir():  # an HF Flax model: flax_model.msgpack beside config.json
+            return None if (path / HF_FILE).is_file() else f"no {HF_FILE}"
         if not path.name.endswith(self.extensions):
             return "not named *.msgpack"
         with open_regular(path) as f:
@@ -49,7 +52,13 @@ class MsgpackFormat(Format):
         return None if first and first[0] in _MAP_FIRST_BYTES else "does not start with a msgpack map"
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
-        return _open(Path(path))
+        path = Path(path)
+        if path.is_dir():
+            checkpoint = _open(path / HF_FILE)
+            checkpoint.file, checkpoint.origin = str(path), Origin("file", path / HF_FILE, [path / HF_FILE])
+            checkpoint.companions = companions(path, {HF_FILE})
+            return checkpoint
+        return _open(path)
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         if target.is_dir():
