@@ -264,6 +264,94 @@ def test_pickle_bombs_are_refused_in_bounded_time_and_memory(tmp_path, payload, 
             result.stderr[-500:]
 
 
+@pytest.mark.parametrize("payload, fragment", [
+    (b"\x80\x02cbuiltins\nbytearray\nJ\x00\x00\x00@\x85R.", "a bytearray of 1,073,741,824 bytes"),
+    (b"\x80\x02}K\x01" + b"\x85" * 200_000 + b"K\x01s.", "tuples nested more than 1000 deep"),
+    (b"\x80\x02(" + b"\x91(" * 0 + b"K\x01" + b"\x85" * 1001 + b"\x91.", "tuples nested more than 1000 deep"),
+], ids=["bytearray(2**30)", "a dict key of tuples 200,000 deep", "a frozenset of deep tuples"])
+def test_sizes_and_depths_a_small_pickle_asks_for_are_bounded_before_they_are_built(tmp_path, payload, fragment):
+    torch_zip(tmp_path / "small.pt", payload)
+    assert (tmp_path / "small.pt").stat().st_size < 300_000
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from treecli.cli import main; sys.exit(main(['show', sys.argv[1]]))")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "small.pt")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, \
+        (result.returncode, result.stderr[-500:])
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_legacy_streams_of_every_pickle_protocol_read_as_torch_loads_them(tmp_path, cli, protocol):
+    state = {"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(3, dtype=torch.bfloat16), "name": "run"}
+    path = tmp_path / "old.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    shown = cli("show", path, "--json")
+    assert shown.code == 0 and shown.json["format"] == "torch", shown.stderr
+    got = leaves(treecli.load(path))
+    assert np.asarray(got["w"]).tobytes() == tensor_bytes(state["w"]) and got["name"] == "run"
+    assert np.asarray(got["h"]).tobytes() == tensor_bytes(state["h"])
+
+
+def test_settings_pickled_beside_tensors_are_named_unread_leaves_and_run_nothing(tmp_path, cli, monkeypatch):
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    state = {"model": {"w": torch.arange(4.0)}, "args": argparse.Namespace(lr=0.1, name="run"),
+             "rng": np.random.get_state(), "table": np.ones(3)}
+    torch.save(state, tmp_path / "train.pt")
+    shown = cli("show", tmp_path / "train.pt", "--json")
+    assert shown.code == 0, shown.stderr
+    rows = {row["keypath"]: row for row in shown.json["leaves"]}
+    assert rows["model.w"]["shape"] == [4] and rows["rng.0"]["value"] == "MT19937" \
+        and rows["rng.2"]["value"] == state["rng"][2]
+    assert rows["args"]["type"] == "unread" and rows["args"]["value"].startswith("<argparse.Namespace, not read")
+    assert rows["table"]["value"].startswith("<numpy.ndarray, not read") and rows["rng.1"]["type"] == "unread"
+    assert np.asarray(treecli.load(tmp_path / "train.pt")["model"]["w"]).tolist() == [0, 1, 2, 3]
+    refused = cli("convert", tmp_path / "train.pt", tmp_path / "w.safetensors")
+    assert_clean_error(refused, "cannot hold")
+    assert "args (Unreadable)" in refused.stderr
+    dropped = cli("convert", tmp_path / "train.pt", tmp_path / "w.safetensors", "--drop-unsupported")
+    assert dropped.code == 0 and "args (Unreadable)" in dropped.stderr
+    # a class of settings is never built, and a call outside the allowlist is still refused by name
+    torch_zip(tmp_path / "evil.pt", pickle.dumps({"args": argparse.Namespace(), "x": Evil(os.system, "touch S")},
+                                                 protocol=2))
+    assert_clean_error(cli("show", tmp_path / "evil.pt"), "names posix.system")
+    assert not (tmp_path / "S").exists()
+
+
+def test_torch_s_raw_bit_packed_and_complex32_tensors_and_bare_storages(tmp_path, cli):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "ComplexHalf support is experimental"
+        state = {"b8": torch.arange(4, dtype=torch.uint8).view(torch.bits8),
+                 "b16": torch.arange(2, dtype=torch.int16).view(torch.bits16),
+                 "fp4": torch.tensor([0x12, 0x34], dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+                 "c32": torch.zeros(2, dtype=torch.complex32), "w": torch.ones(2),
+                 "storage": torch.arange(3, dtype=torch.int32).untyped_storage()}
+        torch.save(state, tmp_path / "odd.pt")
+    shown = cli("show", tmp_path / "odd.pt", "--json")
+    assert shown.code == 0, shown.stderr
+    rows = {row["keypath"]: row for row in shown.json["leaves"]}
+    assert (rows["b8"]["dtype"], rows["b16"]["dtype"], rows["fp4"]["dtype"]) == ("uint8", "uint16", "uint8")
+    assert "bits8 tensors read as the bytes torch stores, uint8" in shown.stderr
+    assert "float4_e2m1fn_x2 tensors read as the bytes torch stores" in shown.stderr
+    assert rows["c32"]["type"] == "unread" and "no NumPy dtype holds complex32" in rows["c32"]["value"]
+    got = leaves(treecli.load(tmp_path / "odd.pt"))
+    assert np.asarray(got["fp4"]).tobytes() == b"\x12\x34" and np.asarray(got["b8"]).tolist() == [0, 1, 2, 3]
+    assert np.asarray(got["storage"]).tobytes() == np.arange(3, dtype="<i4").tobytes()  # a storage's bytes
+
+
+def test_python_2_strings_decode_as_torch_decodes_them():
+    from treecli.formats._unpickle import Unpickler
+
+    def load(data: bytes):
+        return Unpickler(data, file="f", allowed={}).load()[0]
+
+    assert load(b"\x80\x02U\x02\xc3\xa9.") == "\u00e9"  # UTF-8, torch.load's encoding
+    assert load(b"\x80\x02U\x01\xe9.") == b"\xe9"  # not UTF-8: the bytes, never mojibake
+
+
 def test_a_legacy_stream_cut_short_is_one_line(tmp_path, cli):
     torch.save({"w": torch.arange(100.0)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     data = (tmp_path / "old.pt").read_bytes()

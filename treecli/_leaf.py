@@ -337,3 +337,24 @@ def as_leaf(value: Any) -> ArrayLeaf:
     if jax is not None and isinstance(value, jax.Array) and value.ndim and not value.is_fully_replicated:
         return PiecedLeaf.of_shards(value)
     return InMemoryLeaf(value)
+
+
+class Unreadable:
+    """A leaf treecli shows but does not read: what the file holds there (an object of a
+    class outside the unpickler's allowlist, a tensor of a dtype no NumPy dtype holds) and
+    why it is not read. Every other leaf of the file reads as usual; no format writes one
+    (``--drop-unsupported`` drops it, by name)."""
+
+    __slots__ = ("what", "why")
+
+    def __init__(self, what: str, why: str):
+        self.what, self.why = what, why
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Unreadable) and (self.what, self.why) == (other.what, other.why)
+
+    def __hash__(self) -> int:
+        return hash((self.what, self.why))
+
+    def __repr__(self) -> str:
+        return f"<{self.what}, not read: {self.why}>"

@@ -209,6 +209,8 @@ def value_type(value: Any) -> str:
         return "dict"
     if isinstance(value, (list, tuple)):
         return "list"
+    if isinstance(value, _leaf.Unreadable):
+        return "unread"
     return type(value).__name__
 
 

@@ -6,14 +6,18 @@ easily as ``OrderedDict``), and its C implementation grows its memo to any index
 asks for. Here:
 
 - a ``GLOBAL`` / ``STACK_GLOBAL`` is looked up in ``allowed`` (``"module.name"`` -> a
-  function of plain data, or a plain value standing for it: a dtype); anything else is
-  refused in one line naming it, before anything is built from it;
+  function of plain data, or a plain value standing for it: a dtype); a class of plain
+  settings that ``opaque`` names (``argparse.Namespace``, NumPy's state) is never built
+  either: an object of it is an :class:`~treecli._leaf.Unreadable` leaf that names it;
+  anything else is refused in one line naming it, before anything is built from it;
 - ``REDUCE`` / ``NEWOBJ`` call only those functions; ``BUILD`` gives its state to a
   :class:`Record` (an allowed class kept as plain data) and is otherwise ignored (the
   state of a tensor subclass is not data);
 - persistent ids (``BINPERSID``) go to ``persistent``, which names the storages;
 - the memo is a dict, and the values on the stack and in the memo are counted
-  (:data:`MAX_VALUES`): a memo or stack bomb is refused in bounded memory.
+  (:data:`MAX_VALUES`): a memo or stack bomb is refused in bounded memory; a tuple is
+  nested at most :data:`MAX_NESTING` deep (hashing a deeper one, a dict key, would
+  overflow the C stack).
 
 Supported: protocols 2 to 5 in binary form (what ``torch.save`` and
 ``torch.distributed.checkpoint`` write). Text opcodes of protocol 0 are refused.
@@ -25,10 +29,12 @@ import struct
 from typing import Any, Callable, Mapping
 
 from treecli._errors import FormatError, RefusedError
+from treecli._leaf import Unreadable
 
 # Values a pickle may hold on its stack and in its memo together: a state dict of 200k
 # tensors holds about 4 million. Beyond that the file is refused, in bounded memory.
 MAX_VALUES = 20_000_000
+MAX_NESTING = 1000  # tuples in tuples: far beyond any checkpoint, far below the C stack's limit
 
 
 class Mark:
@@ -44,6 +50,22 @@ class Global:
 
     def __repr__(self) -> str:
         return self.name
+
+
+class OpaqueGlobal:
+    """A class of plain settings outside the allowlist (``opaque``): never called; what
+    REDUCE / NEWOBJ would have made of it is an :class:`Unreadable` leaf naming it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def unread(self, args: Any) -> Unreadable:
+        # (a reconstructor's first argument is the class it would make: numpy.ndarray)
+        made = args[0].name if isinstance(args, tuple) and args and isinstance(args[0], OpaqueGlobal) else self.name
+        return Unreadable(made, "not built (treecli runs nothing from a file)")
 
 
 class Record:
@@ -74,12 +96,15 @@ class Unpickler:
     """One pickle at ``start`` of ``data``; :meth:`load` returns the value and where it ended."""
 
     def __init__(self, data: bytes | memoryview, *, file: str, allowed: Mapping[str, Callable[..., Any]],
-                 persistent: Callable[[Any], Any] | None = None, start: int = 0):
+                 persistent: Callable[[Any], Any] | None = None, start: int = 0,
+                 opaque: Callable[[str], bool] = lambda name: False):
         self.data = memoryview(data)
         self.at = start
         self.file = file
         self.allowed = allowed
+        self.opaque = opaque
         self.persistent = persistent
+        self.nesting: dict[int, int] = {}  # id of a tuple built here -> how deep it nests
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
@@ -136,6 +161,8 @@ class Unpickler:
         build = self.allowed.get(full)
         if build is not None and not callable(build):
             return build
+        if build is None and self.opaque(full):
+            return OpaqueGlobal(full)
         if build is None:
             raise RefusedError(f"refused: the pickle names {full}, which is not among the plain-data constructors "
                                "a checkpoint needs (tensors, storages, dtypes, containers); treecli never calls it",
@@ -143,6 +170,8 @@ class Unpickler:
         return Global(full, build)
 
     def _call(self, what: Any, args: Any) -> Any:
+        if isinstance(what, OpaqueGlobal):
+            return what.unread(args)
         if not isinstance(what, Global):
             raise self._error(f"REDUCE of {type(what).__name__}, not of an allowed global")
         if not isinstance(args, tuple):
@@ -199,12 +228,12 @@ class Unpickler:
             elif op == 0x6C:  # LIST
                 push(self._pop_mark())
             elif op == 0x74:  # TUPLE
-                push(tuple(self._pop_mark()))
+                push(self._tuple(self._pop_mark()))
             elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
                 n = op - 0x84
                 if len(self.stack) < n:
                     raise self._error("TUPLE of more items than the stack holds")
-                items = tuple(self.stack[-n:])
+                items = self._tuple(self.stack[-n:])
                 del self.stack[-n:]
                 push(items)
             elif op == 0x73:  # SETITEM
@@ -227,7 +256,7 @@ class Unpickler:
                 target.update(self._hashable(items))
                 push(target)
             elif op == 0x91:  # FROZENSET
-                push(frozenset(self._hashable(self._pop_mark())))
+                push(self._tuple(self._hashable(self._pop_mark()), frozenset))
             elif op == 0x4A:  # BININT
                 push(self._int("<i"))
             elif op == 0x4B:  # BININT1
@@ -256,9 +285,13 @@ class Unpickler:
             elif op in (0x42, 0x43, 0x8E):  # BINBYTES, SHORT_BINBYTES, BINBYTES8
                 n = self._int("<I") if op == 0x42 else take(1)[0] if op == 0x43 else self._int("<Q")
                 push(bytes(take(n)))
-            elif op in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING (Python 2's str, as latin-1)
+            elif op in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING: Python 2's str
                 n = self._int("<i") if op == 0x54 else take(1)[0]
-                push(str(take(n), "latin-1"))
+                raw = bytes(take(n))
+                try:  # as torch.load decodes it (its encoding="utf-8"); else the bytes, as encoding="bytes"
+                    push(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    push(raw)
             elif op == 0x63:  # GLOBAL
                 module = self._line()
                 push(self._global(module, self._line()))
@@ -279,6 +312,7 @@ class Unpickler:
                     raise self._error("BUILD without an object")
                 if isinstance(self.stack[-1], Record):
                     self.stack[-1].state = state
+                # (an Unreadable keeps none: its state is not read)
             elif op == 0x51:  # BINPERSID
                 if self.persistent is None:
                     raise self._error("a persistent id, where none is expected")
@@ -315,7 +349,20 @@ class Unpickler:
             raise FormatError(f"the pickle holds more than {MAX_VALUES:,} values; refusing it", file=self.file)
         self.memo[index] = self.stack[-1]
 
+    def _tuple(self, items: list[Any], kind: type = tuple) -> Any:
+        """A tuple (or frozenset) of ``items``, refused nested deeper than :data:`MAX_NESTING`."""
+        depth = 1 + max((self.nesting.get(id(item), 0) for item in items if isinstance(item, (tuple, frozenset))),
+                        default=0)
+        if depth > MAX_NESTING:
+            raise self._error(f"tuples nested more than {MAX_NESTING} deep")
+        made = kind(items)
+        self.nesting[id(made)] = depth  # (set for every one made: an id reused after a POP is overwritten)
+        return made
+
     def _setitems(self, target: Any, items: list[Any]) -> None:
+        if isinstance(target, Unreadable):  # a dict-like object not built: its items are not read
+            self.stack.append(target)
+            return
         if not isinstance(target, dict) or len(items) % 2:
             raise self._error("SETITEMS on something that is not a dict")
         try:
@@ -325,6 +372,9 @@ class Unpickler:
         self.stack.append(target)
 
     def _extend(self, target: Any, items: list[Any]) -> None:
+        if isinstance(target, Unreadable):
+            self.stack.append(target)
+            return
         if not isinstance(target, list):
             raise self._error("APPENDS to something that is not a list")
         target.extend(items)
@@ -332,7 +382,7 @@ class Unpickler:
 
     def _hashable(self, items: list[Any]) -> list[Any]:
         for item in items:
-            if not isinstance(item, (str, bytes, int, float, bool, type(None), tuple, frozenset, Record)):
+            if not isinstance(item, (str, bytes, int, float, bool, type(None), tuple, frozenset, Record, Unreadable)):
                 raise self._error(f"a {type(item).__name__} as a dict key or set item")
         return items
 

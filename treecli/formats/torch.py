@@ -44,8 +44,10 @@ MAX_PICKLE_BYTES = 256 << 20
 # Containers and values walked to make the tree: a pickle's references can make a small
 # file describe an exponentially large tree (a list holding the same list twice, ...).
 MAX_NODES = 2_000_000
-# The first pickle of a legacy file: LONG1 of torch.serialization's MAGIC_NUMBER.
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+# The first pickle of a legacy file: torch.serialization's MAGIC_NUMBER, in the first
+# bytes a file starts with (a protocol 4 or 5 frame adds 9 to protocol 2's 15).
+_LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+_LEGACY_HEAD = 64
 
 # Storage classes by the dtype of their elements (PyTorch's legacy typed storages).
 _STORAGE_DTYPES = {
@@ -62,7 +64,29 @@ _DTYPES = {
                                "float8_e8m0fnu")},
     "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32", "short": "int16",
     "cfloat": "complex64", "cdouble": "complex128",
+    # torch's raw-bit and packed types: read as the bytes torch stores (a warning names each)
+    "bits8": "uint8", "bits16": "uint16", "float4_e2m1fn_x2": "uint8", "bits1x8": "uint8", "bits2x4": "uint8",
+    "bits4x2": "uint8",
 }
+_AS_BYTES = {"bits8", "bits16", "float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2"}
+# torch dtypes no NumPy dtype holds, and their item sizes: their tensors are Unreadable leaves.
+_UNREPRESENTABLE = {"complex32": 4}
+
+# Classes of plain settings a training checkpoint pickles beside its tensors (a script's
+# arguments, NumPy's random state): never built, each object an Unreadable leaf naming its
+# class, while every tensor of the file reads. Any other global is refused by name.
+_OPAQUE = {"argparse.Namespace", "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+           "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+           "numpy.random._pickle.__randomstate_ctor", "numpy.random._pickle.__bit_generator_ctor",
+           "numpy.random._pickle.__generator_ctor", "numpy.random.mtrand.RandomState", "datetime.datetime",
+           "datetime.date", "datetime.timedelta", "datetime.timezone", "pathlib.Path", "pathlib.PosixPath",
+           "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "collections.defaultdict"}
+
+
+def _opaque(name: str) -> bool:
+    """Whether a global outside the allowlist stands for settings, shown as an Unreadable
+    leaf: the classes above, and a training script's own (``__main__.Config``)."""
+    return name in _OPAQUE or name.startswith(("__main__.", "omegaconf."))
 
 
 @dataclass(frozen=True)
@@ -72,7 +96,8 @@ class _StorageType:
 
 @dataclass(frozen=True)
 class DType:
-    name: str
+    name: str  # treecli's (NumPy's) name of its elements
+    torch_name: str  # torch's (bits8 is read as uint8)
 
 
 @dataclass
@@ -91,6 +116,7 @@ class _Tensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
+    torch_dtype: str | None = None  # where torch's name differs (bits8 read as uint8)
 
 
 def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, dtype: str | None = None) -> _Tensor:
@@ -109,7 +135,9 @@ def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad
                 *metadata: Any) -> _Tensor:
     if not isinstance(dtype, DType):
         raise ValueError("the dtype is not a torch dtype")
-    return _rebuild(storage, offset, size, stride, dtype=dtype.name)
+    tensor = _rebuild(storage, offset, size, stride, dtype=dtype.name)
+    tensor.torch_dtype = dtype.torch_name
+    return tensor
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
@@ -118,6 +146,16 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
             and new_type.name in ("torch.Tensor", "torch.nn.parameter.Parameter")):
         raise ValueError("a tensor subclass, which treecli does not rebuild")
     return func.build(*args)
+
+
+# Bytes a bytearray(...) in a pickle may make: a 400-byte file must not ask for gigabytes.
+_MAX_BYTEARRAY = 64 << 20
+
+
+def _bytearray(*args: Any) -> bytes:
+    if args and isinstance(args[0], int) and not 0 <= args[0] <= _MAX_BYTEARRAY:
+        raise ValueError(f"a bytearray of {args[0]:,} bytes, more than any checkpoint's")
+    return bytes(bytearray(*args))
 
 
 def _refuse(what: str):
@@ -149,19 +187,20 @@ ALLOWED = {
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": lambda *args: bytes(bytearray(*args)),
+    "builtins.bytearray": lambda *args: _bytearray(*args),
     "_codecs.encode": lambda text, encoding="utf-8": text.encode(encoding),
     "torch.storage.UntypedStorage": _StorageType(None),
     **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_DTYPES.items()},
-    **{f"torch.{name}": DType(dtype) for name, dtype in _DTYPES.items()},
+    **{f"torch.{name}": DType(dtype, name) for name, dtype in _DTYPES.items()},
     "torch._utils._rebuild_sparse_tensor": _refuse("a sparse tensor"),
     "torch._utils._rebuild_qtensor": _refuse("a quantized tensor"),
     "torch._utils._rebuild_nested_tensor": _refuse("a nested tensor"),
     "torch._utils._rebuild_meta_tensor_no_storage": _refuse("a meta tensor (no data)"),
     "torch._utils._rebuild_wrapper_subclass": _refuse("a tensor subclass"),
     "torch._utils._rebuild_device_tensor_from_numpy": _refuse("a tensor rebuilt from NumPy"),
-    "torch.complex32": _refuse("a complex32 tensor (no NumPy dtype holds it)"),
-    "torch.ComplexHalfStorage": _refuse("a complex32 storage (no NumPy dtype holds it)"),
+    "torch.complex32": DType("complex32", "complex32"),
+    "torch.chalf": DType("complex32", "chalf"),
+    "torch.ComplexHalfStorage": _StorageType("complex32"),
 }
 
 
@@ -185,8 +224,8 @@ class TorchFormat(Format):
         if path.name.endswith(".bin.index.json"):
             return None
         with open_regular(path) as f:
-            head = f.read(len(_LEGACY_MAGIC))
-        if head == _LEGACY_MAGIC:
+            head = f.read(_LEGACY_HEAD)
+        if is_legacy(head):
             return None
         if not head.startswith(b"PK\x03\x04"):
             return "neither a zip nor a legacy torch.save stream"
@@ -213,7 +252,7 @@ def open_source(source: Any) -> Checkpoint:
     """A torch.save file in a byte source of known ``size`` (an HTTP or bucket object)."""
     checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=source.path)
     checkpoint._closers.append(source.close)
-    _fill(checkpoint, source_items(source))
+    _fill(checkpoint, source_items(source, checkpoint.warnings))
     return checkpoint
 
 
@@ -240,19 +279,31 @@ def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
         file_identity = identity(os.fstat(f.fileno()))
     reader = FileReader(str(path), file_identity)
     checkpoint._closers.append(reader.close)
-    return source_items(reader)
+    return source_items(reader, checkpoint.warnings)
 
 
-def source_items(source: Any) -> list[tuple[str, Any]]:
+def source_items(source: Any, warnings: list[str] | None = None) -> list[tuple[str, Any]]:
     """The items of a torch.save file in a byte source of known ``size`` (local or remote),
     its leaves lazy byte ranges of it."""
     import numpy as np
 
-    head = np.empty(min(source.size, len(_LEGACY_MAGIC)), np.uint8)
+    head = np.empty(min(source.size, _LEGACY_HEAD), np.uint8)
     source.read_into(head, 0)
-    legacy = head.tobytes() == _LEGACY_MAGIC
+    legacy = is_legacy(head.tobytes())
     obj, places = _read_legacy(source) if legacy else read_zip(source, (0, source.size))
-    return items_of(obj, places, source, source.path)
+    return items_of(obj, places, source, source.path, warnings)
+
+
+def is_legacy(head: bytes) -> bool:
+    """Whether a file's first bytes are a legacy ``torch.save`` stream: its first pickle,
+    in any protocol from 2 to 5 (``pickle_protocol=``), is torch's magic number."""
+    if len(head) < 3 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    try:
+        value, _ = Unpickler(head, file="", allowed={}).load()
+    except FormatError:  # (refusals included: a global is no magic number)
+        return False
+    return type(value) is int and value == _LEGACY_MAGIC_NUMBER
 
 
 def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
@@ -282,7 +333,7 @@ def open_folder(folder: Any, url: str) -> Checkpoint | None:
         if reader.size is None:
             raise FormatError("its size is not in the bucket's answers; copy the checkpoint here first",
                               file=f"{url}/{name}")
-        return source_items(reader)
+        return source_items(reader, checkpoint.warnings)
 
     text = folder.text(_INDEX)
     if text is not None:
@@ -347,7 +398,8 @@ def read_zip(source: Any, window: tuple[int, int]) -> tuple[Any, dict[str, tuple
     if order != b"little":
         raise FormatError(f"stored {order.decode('ascii', 'replace')}-endian, which treecli does not read", file=file)
     named: dict[str, _Storage] = {}
-    obj = Unpickler(data, file=file, allowed=ALLOWED, persistent=lambda pid: _storage(pid, named, file)).load()[0]
+    obj = Unpickler(data, file=file, allowed=ALLOWED, persistent=lambda pid: _storage(pid, named, file),
+                    opaque=_opaque).load()[0]
     places = {}
     for key in named:
         info = infos.get(f"{prefix}/data/{key}")
@@ -372,7 +424,7 @@ def _read_legacy(reader: Any) -> tuple[Any, dict[str, tuple[int, int]]]:
     values = []
     for _ in range(5):  # magic number, protocol version, system info, the object, the storage keys
         value, at = Unpickler(data, file=file, allowed=ALLOWED, persistent=lambda pid: _storage(pid, named, file),
-                              start=at).load()
+                              start=at, opaque=_opaque).load()
         values.append(value)
     magic, protocol, _, obj, keys = values
     if protocol != 1001:
@@ -395,7 +447,9 @@ def _read_legacy(reader: Any) -> tuple[Any, dict[str, tuple[int, int]]]:
 
 
 def _itemsize(storage: _Storage) -> int:
-    return 1 if storage.dtype is None else _dtypes.itemsize(storage.dtype)
+    if storage.dtype is None:
+        return 1
+    return _UNREPRESENTABLE.get(storage.dtype) or _dtypes.itemsize(storage.dtype)
 
 
 def _storage(pid: Any, named: dict[str, _Storage], file: str) -> _Storage:
@@ -415,11 +469,15 @@ def _storage(pid: Any, named: dict[str, _Storage], file: str) -> _Storage:
     return named[key]
 
 
-def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: Any, file: str) -> list[tuple[str, Any]]:
+def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: Any, file: str,
+             warnings: list[str] | None = None) -> list[tuple[str, Any]]:
     """The unpickled object as (dotted key, lazy leaf or value) items, to nest as
-    safetensors' names nest."""
+    safetensors' names nest; what a reader should know of them goes to ``warnings``. A
+    bare storage is a 1-d leaf of its elements (bytes, for an untyped one); a tensor of a
+    dtype NumPy cannot hold, an :class:`~treecli._leaf.Unreadable` leaf."""
     items: list[tuple[str, Any]] = []
     visited = 0
+    as_bytes: dict[str, list[str]] = {}
 
     def walk(value: Any, keys: tuple[str, ...]) -> None:
         nonlocal visited
@@ -435,15 +493,35 @@ def items_of(obj: Any, places: dict[str, tuple[int, int]], reader: Any, file: st
         elif isinstance(value, (list, tuple)) and value:
             for i, child in enumerate(value):
                 walk(child, keys + (str(i),))
+        elif isinstance(value, _Tensor) and value.dtype in _UNREPRESENTABLE:
+            items.append((".".join(keys), _leaf.Unreadable(f"a {value.dtype} tensor {list(value.shape)}",
+                                                           f"no NumPy dtype holds {value.dtype}")))
         elif isinstance(value, _Tensor):
             items.append((".".join(keys), _leaf_of(value, places, reader, file, ".".join(keys))))
+            if value.torch_dtype in _AS_BYTES:
+                as_bytes.setdefault(value.torch_dtype, []).append(".".join(keys) or "<root>")
+        elif isinstance(value, _Storage):
+            items.append((".".join(keys), _storage_leaf(value, places, reader, file, ".".join(keys))))
         elif isinstance(value, (set, frozenset)):
             items.append((".".join(keys), sorted(value, key=repr)))
         else:
             items.append((".".join(keys), value))
 
     walk(obj, ())
+    for torch_dtype, keypaths in as_bytes.items():
+        if warnings is not None:
+            warnings.append(f"{len(keypaths)} {torch_dtype} tensors read as the bytes torch stores, "
+                            f"{_DTYPES[torch_dtype]} (e.g. {keypaths[0]})")
     return items
+
+
+def _storage_leaf(storage: _Storage, places: dict[str, tuple[int, int]], reader: Any, file: str,
+                  keypath: str) -> Any:
+    """A bare storage (pickled without a tensor around it): its elements as a 1-d leaf."""
+    dtype = storage.dtype or "uint8"
+    if dtype in _UNREPRESENTABLE:
+        return _leaf.Unreadable(f"a {dtype} storage", f"no NumPy dtype holds {dtype}")
+    return _leaf_of(_Tensor(storage, 0, (storage.numel,), (1,), dtype), places, reader, file, keypath)
 
 
 def _leaf_of(tensor: _Tensor, places: dict[str, tuple[int, int]], reader: Any, file: str,
