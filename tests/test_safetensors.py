@@ -15,7 +15,7 @@ from treecli import _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 
-from .conftest import BF16, bits, raw_safetensors
+from .conftest import BF16, assert_clean_error, bits, raw_safetensors
 
 
 def flat_leaves(tree):
@@ -227,7 +227,8 @@ def test_big_header_decoding_reads_every_header_as_the_exact_parser_does(tmp_pat
     monkeypatch.setattr(safetensors, "_TYPED_FROM", 0)
     assert outcome() == exact
     assert isinstance(exact, str) != (name in ("metadata_null", "metadata_like_an_entry", "dashed_name",
-                                               "unicode_name", "indented", "tensor_named_dtype", "unknown_field"))
+                                               "unicode_name", "indented", "tensor_named_dtype", "unknown_field",
+                                               "packed_dtype"))
 
 
 INDEXES = [
@@ -595,3 +596,39 @@ def test_a_minus_starting_a_number_is_found_however_many_dashes_there_are(text, 
         assert safetensors._has_negative_number(text.encode() if as_bytes else text) == expected
     finally:
         safetensors.DASHES_FOR_REGEX = saved
+
+
+def test_safetensors_0_6_dtypes_show_every_leaf_and_read_what_ml_dtypes_names(cli, tmp_path):
+    import ml_dtypes
+
+    entries, data = {}, b""
+    for name, code, shape, raw in [("a", "F4", [4], b"\x12\x34"), ("b", "F8_E4M3FNUZ", [2], b"\x12\x34"),
+                                   ("c", "F6_E2M3", [4], b"\x12\x34\x56"), ("d", "F8_E5M2FNUZ", [1], b"\x01"),
+                                   ("e", "F6_E3M2", [4], b"\x12\x34\x56"), ("w", "F32", [1], b"\x00\x00\x80\x3f")]:
+        entries[name] = {"dtype": code, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(entries).encode()
+    path = tmp_path / "new.safetensors"
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    reference = dict(deserialize(path.read_bytes()))  # safetensors itself reads every entry
+    assert reference["a"]["dtype"] == "F4"
+    shown = cli("show", path, "--json")
+    assert shown.code == 0, shown.stderr
+    rows = {row["keypath"]: row for row in shown.json["leaves"]}
+    assert rows["b"]["dtype"] == "float8_e4m3fnuz" and rows["d"]["dtype"] == "float8_e5m2fnuz"
+    for name, code in (("a", "F4"), ("c", "F6_E2M3"), ("e", "F6_E3M2")):
+        assert rows[name]["type"] == "unread" and code in rows[name]["value"]
+    got = treecli.load(path)
+    assert np.asarray(got["b"]).tobytes() == b"\x12\x34" and np.asarray(got["b"]).dtype == ml_dtypes.float8_e4m3fnuz
+    out = tmp_path / "out.safetensors"
+    refused = cli("convert", path, out)
+    assert_clean_error(refused, "cannot hold 3 leaves")
+    assert cli("convert", path, out, "--drop-unsupported").code == 0
+    written = dict(deserialize(out.read_bytes()))
+    assert sorted(written) == ["b", "d", "w"] and written["b"]["dtype"] == "F8_E4M3FNUZ"
+    assert bytes(written["d"]["data"]) == b"\x01"
+    # a packed tensor that does not fill whole bytes, or its bytes miscounted, is still one line
+    entries["a"]["shape"] = [3]
+    head = json.dumps(entries).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    assert_clean_error(cli("show", path), "a: 3 elements of F4 do not fill whole bytes")

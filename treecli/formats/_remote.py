@@ -151,10 +151,10 @@ def _open_directory(url: str, folder: Any, format: str | None, step: int | None)
 
 def _open_file(url: str, opened: tuple[Any, tuple]) -> Checkpoint:
     from treecli.formats import _flatkeys, safetensors
-    from treecli.formats._filedata import FileArrayLeaf
+    from treecli.formats._safetensors_header import tensor_leaf
 
     reader, (tensors, metadata, _) = opened
-    items = [(name, FileArrayLeaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
+    items = [(name, tensor_leaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
     checkpoint = Checkpoint(tree=tree, format=safetensors.SafetensorsFormat.name, file=url, metadata=dict(metadata))
     checkpoint.warnings.extend([warning] if warning else [])

@@ -37,12 +37,16 @@ _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _CODES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "C64": "complex64",
 }
 _ITEMSIZE = {name: _dtypes.itemsize(name) for name in _CODES.values()}
-_PACKED_CODES = {"F4", "F6_E2M3", "F6_E3M2"}  # several elements per byte
+# Sub-byte floats (safetensors 0.6+), packed: elements x bits fill whole bytes. No NumPy
+# dtype holds them as stored (ml_dtypes' float4_e2m1fn takes a byte an element): such a
+# tensor is checked like any other and shown as an unread leaf, the rest of the file read.
+PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int, tuple]:
     """Validate a safetensors file's header.
@@ -147,9 +151,16 @@ def _check_header(pairs: "_Pairs", size: int | Callable[[int], int], data_start:
         if len(shape) > _MAX_NDIM:
             raise FormatError(f"shape has {len(shape)} dimensions; NumPy handles at most {_MAX_NDIM}", file=file,
                               keypath=name)
-        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if dtype in PACKED_BITS:
+            bits = math.prod(shape) * PACKED_BITS[dtype]
+            if bits % 8:
+                raise FormatError(f"{math.prod(shape)} elements of {dtype} do not fill whole bytes", file=file,
+                                  keypath=name)
+            nbytes = bits // 8
+        else:
+            nbytes = math.prod(shape) * _ITEMSIZE[dtype]
         if nbytes >= _USIZE or 0 in shape:
-            _refuse_overflow(shape, _ITEMSIZE[dtype], file, name)
+            _refuse_overflow(shape, _ITEMSIZE.get(dtype, 1), file, name)
         if end - begin != nbytes:
             raise FormatError(
                 f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {list(shape)} "
@@ -447,10 +458,9 @@ def _check_entry_fields(name: str, info: Any, file: str) -> tuple[str, tuple[int
         if field not in info:
             raise FormatError(f"tensor entry has no {field!r}", file=file, keypath=name)
     code = info["dtype"]
-    if isinstance(code, str) and code in _PACKED_CODES:
-        raise FormatError(f"dtype {code} packs several values per byte; treecli does not read it yet", file=file, keypath=name)
-    if not isinstance(code, str) or code not in _CODES:
-        raise FormatError(f"unknown dtype {code!r} (known: {', '.join(_CODES)})", file=file, keypath=name)
+    if not isinstance(code, str) or code not in _CODES and code not in PACKED_BITS:
+        raise FormatError(f"unknown dtype {str(code)[:40]!r} (known: {', '.join([*_CODES, *PACKED_BITS])})",
+                          file=file, keypath=name)
     shape = info["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise FormatError(f"shape {shape!r} is not a list of non-negative integers", file=file, keypath=name)
@@ -462,6 +472,18 @@ def _check_entry_fields(name: str, info: Any, file: str) -> tuple[str, tuple[int
         or offsets[1] < offsets[0]
     ):
         raise FormatError(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", file=file, keypath=name)
-    return _CODES[code], tuple(shape), offsets[0], offsets[1]
+    return _CODES.get(code, code), tuple(shape), offsets[0], offsets[1]
+
+
+def tensor_leaf(reader: Any, offset: int, shape: tuple[int, ...], dtype: str) -> Any:
+    """A header entry's leaf: lazy bytes of the file, or, for a packed sub-byte dtype, an
+    unread leaf naming it."""
+    from treecli._leaf import Unreadable
+    from treecli.formats._filedata import FileArrayLeaf
+
+    if dtype in PACKED_BITS:
+        return Unreadable(f"a {dtype} tensor {list(shape)}", f"{PACKED_BITS[dtype]}-bit floats packed in bytes, "
+                          "which no NumPy dtype holds as stored")
+    return FileArrayLeaf(reader, offset, shape, dtype)
 
 

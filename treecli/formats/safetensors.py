@@ -21,9 +21,8 @@ from treecli._errors import FormatError, NotDurableError, TreecliError, UsageErr
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
-from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import INDEX_SUFFIX, companions
-from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header
+from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header, tensor_leaf
 
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
 _OWNED = re.compile(r"model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors|model\.safetensors\.index\.json")
@@ -128,7 +127,7 @@ class SafetensorsFormat(Format):
 def _open_file(path: Path) -> Checkpoint:
     tensors, metadata, _, file_identity = read_header(path)
     reader = FileReader(str(path), file_identity)
-    items = [(name, FileArrayLeaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
+    items = [(name, tensor_leaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
     checkpoint = Checkpoint(tree=tree, format="safetensors", file=str(path), metadata=dict(metadata),
                             origin=Origin("file", path, [path]))
@@ -212,7 +211,7 @@ def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: 
                     f"tensor is stored in shard {shard} but the index maps it to {weight_map.get(name)!r}",
                     file=file, keypath=name,
                 )
-            items.append((name, FileArrayLeaf(reader, offset, shape, dtype)))
+            items.append((name, tensor_leaf(reader, offset, shape, dtype)))
     if len(items) != len(weight_map):  # every tensor found is mapped: some mapped one was not found
         held = {name for name, _ in items}
         name, shard = next((name, shard) for name, shard in weight_map.items() if name not in held)
