@@ -134,8 +134,14 @@ def padded(head: bytes, data: bytes) -> bytes:
     (header(tensors=0, keys=1) + string(b"k") + struct.pack("<IIQ", 9, 8, 2**60), "runs past the end"),
     (header(tensors=0, keys=1) + string(b"k") + struct.pack("<I", 77), "value type 77"),
     (b"GGUF" + struct.pack("<I", 1) + b"\0" * 16, "GGUF version 1"),
+    (padded(header(2) + tensor(b"w", [8], 0, 0) + tensor(b"w", [8], 0, 32), b"\0" * 64), "w: two tensors have this"),
+    (padded(header() + tensor(b"q", [], 2, 0), b"\0" * 32), "q: a 0-d Q4_0 tensor"),
+    (header(tensors=0, keys=2) + (string(b"k") + struct.pack("<I", 4) + b"\0" * 4) * 2, "key 'k' is given twice"),
+    (header(tensors=0, keys=1) + string(b"k") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 40,
+     "nested more than 32 deep"),
 ], ids=["tensor count", "string length", "misaligned", "overlapping", "unknown type", "data past the end",
-        "absurd shape", "array count", "value type", "version"])
+        "absurd shape", "array count", "value type", "version", "a name twice", "0-d quantized", "a key twice",
+        "deep arrays"])
 def test_hostile_headers_are_one_line(cli, tmp_path, content, fragment):
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
@@ -152,8 +158,12 @@ def test_gguf_to_gguf_keeps_metadata_types_and_quantized_blocks_as_they_are(cli,
         copied = after.fields[name]
         assert copied.types == field.types, name
         assert [bytes(p) for p in copied.parts] == [bytes(p) for p in field.parts], name
-    assert {t.name: (t.tensor_type, bytes(t.data)) for t in after.tensors} == \
-        {t.name: (t.tensor_type, bytes(t.data)) for t in before.tensors}  # (in key-path order)
+    assert [(t.name, t.tensor_type, bytes(t.data)) for t in after.tensors] == \
+        [(t.name, t.tensor_type, bytes(t.data)) for t in before.tensors]  # in the input's order
+    # an edit keeps the order too: a cast leaf stays where its input was
+    edited = cli("edit", model, "-o", tmp_path / "cast.gguf", "--cast", "blk.0.attn_q.weight=float32")
+    assert edited.code == 0, edited.stderr
+    assert [t.name for t in gguf.GGUFReader(str(tmp_path / "cast.gguf")).tensors] == [t.name for t in before.tensors]
 
 
 def test_float_and_integer_leaves_write_gguf_that_gguf_reads(tmp_path):
@@ -207,3 +217,62 @@ def test_convert_quantizes_weights_into_gguf_as_gguf_quantizes_them(cli, tmp_pat
     assert tensors["blk.0.norm"].tensor_type == Q.F32 and tensors["blk.0.odd"].tensor_type == Q.F32  # as llama.cpp
     assert_clean_error(cli("convert", tmp_path / "m.safetensors", tmp_path / "o.npz", "--dtype", kind),
                        "quantizes into a GGUF file")
+
+
+def test_metadata_arrays_nested_five_deep_read_as_gguf_py_reads_them(cli, tmp_path):
+    nested = struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 4 + struct.pack("<IQ", 4, 2) + struct.pack("<II", 7, 8)
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(header(tensors=0, keys=1) + string(b"k") + nested)
+    assert gguf.GGUFReader(str(path)).fields["k"] is not None  # the reference reads it
+    shown = cli("show", path, "--json")
+    assert shown.code == 0, shown.stderr
+    assert shown.json["metadata"]["k"] == "[[[[[7, 8]]]]]"
+
+
+def test_a_big_endian_gguf_reads_as_gguf_py_reads_it(cli, tmp_path):
+    from gguf.constants import GGUFEndian
+
+    path = tmp_path / "be.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG)
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_array("llama.rope.freqs", [0.5, 1.5])
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    writer.add_tensor("w", w.copy())  # (gguf-py swaps the bytes as it writes)
+    writer.add_tensor("ids", np.arange(5, dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shown = cli("show", path, "--json")
+    assert shown.code == 0, shown.stderr
+    assert shown.json["metadata"]["llama.block_count"] == "2" and shown.json["metadata"]["llama.rope.freqs"] == \
+        "[0.5, 1.5]"
+    got = treecli.load(path)
+    assert np.asarray(got["w"]).tolist() == w.tolist() and np.asarray(got["ids"]).tolist() == [0, 1, 2, 3, 4]
+    assert np.asarray(got["w"][1:]).tolist() == w[1:].tolist()
+    assert cli("diff", path, tmp_path / "be.gguf").code == 0
+    treecli.save({"w": w, "ids": np.arange(5, dtype=np.int32)}, tmp_path / "le.safetensors")
+    assert cli("diff", path, tmp_path / "le.safetensors", "--where", "w", "--where", "ids").code == 0
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_1, Q.Q8_K])
+def test_blocks_gguf_does_not_dequantize_are_one_line_and_copy_as_they_are(cli, tmp_path, kind):
+    path = tmp_path / "q.gguf"
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = np.zeros((2, size), np.uint8)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.w", raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.add_tensor("blk.0.norm", np.ones(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shown = cli("show", path)
+    assert shown.code == 0 and f"1 {kind.name}" in shown.stdout, shown.stderr
+    assert_clean_error(cli("get", path, "blk.0.w"), f"blk.0.w: {kind.name} blocks, which the gguf package does not "
+                                                    "dequantize")
+    assert_clean_error(cli("convert", path, tmp_path / "q.safetensors"), f"{kind.name} blocks")
+    copied = cli("convert", path, tmp_path / "again.gguf")
+    assert copied.code == 0, copied.stderr
+    again = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "again.gguf")).tensors}
+    assert again["blk.0.w"].tensor_type == kind and bytes(again["blk.0.w"].data) == raw.tobytes()

@@ -220,6 +220,11 @@ class ComputedLeaf(ArrayLeaf):
     def sources(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(source for leaf in self._inputs for source in leaf.sources))
 
+    @property
+    def inputs(self) -> tuple[ArrayLeaf, ...]:
+        """The leaves it reads."""
+        return self._inputs
+
     def read_flat(self, start: int, stop: int):
         if self._fill is None:
             return self._compute(start, stop)

@@ -20,6 +20,7 @@ from treecli._bytes import writer
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import WriteOptions
+from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats.gguf import _ARRAYS, _SCALARS, _STRING, MAGIC, MetaValue, QuantizedLeaf
 
 _TYPE_OF = {dtype: kind for kind, dtype in _ARRAYS.items()}
@@ -66,7 +67,20 @@ def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any
             what = f"dtype {_leaf.as_leaf(leaf).dtype_name}" if _leaf.is_array(leaf) else type(leaf).__name__
             unsupported.append(f"{format_keypath(keypath)} ({what})")
     options.refuse_or_drop(unsupported, "GGUF", file)
-    return entries
+    # A GGUF input's tensors keep its order (its data's, which its infos follow); others follow them.
+    return [entry for _, entry in sorted(enumerate(entries), key=lambda item: _input_place(item[1][1], item[0]))]
+
+
+def _input_place(leaf: Any, position: int) -> tuple:
+    """Where a leaf's data lies in an input file, a computed leaf's where the leaf it reads
+    lies (a cast, an edit); leaves of no file after, in the tree's order."""
+    while isinstance(leaf, _leaf.ComputedLeaf) and len(leaf.inputs) == 1:
+        leaf = leaf.inputs[0]
+    if isinstance(leaf, QuantizedLeaf) and leaf.place is not None:
+        return (0, *leaf.place)
+    if isinstance(leaf, FileArrayLeaf):
+        return (0, leaf.reader.path, leaf.offset)
+    return (1, "", position)
 
 
 def _alignment(value: Any) -> int:

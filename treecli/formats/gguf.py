@@ -31,6 +31,7 @@ MAGIC = b"GGUF"
 MAX_TENSORS = 1_000_000  # a 671B model has under 2,000
 MAX_KEYS = 100_000
 MAX_DIMS = 8  # GGML_MAX_DIMS is 4
+MAX_NESTING = 32  # metadata arrays in arrays: gguf-py reads any depth; no model nests more than 2
 SHOWN_ITEMS = 16  # a metadata array longer than this is summarised
 
 # ggml types stored as plain arrays, by their number
@@ -61,6 +62,16 @@ class GgufFormat(Format):
         with open_regular(path) as f:
             return None if f.read(4) == MAGIC else "does not start with GGUF"
 
+    def stored_leaves(self, tree: Any, written: Any, like: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A quantized tensor is verified by its blocks, as stored (a copy is bit-exact
+        whether or not the gguf package dequantizes its type); any other leaf as usual."""
+        expected, found = super().stored_leaves(tree, written, like)
+
+        def blocks(leaves: dict[str, Any]) -> dict[str, Any]:
+            return {name: _Blocks(leaf) if isinstance(leaf, QuantizedLeaf) else leaf for name, leaf in leaves.items()}
+
+        return blocks(expected), blocks(found)
+
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         with open_regular(path) as f:
             file_identity = identity(os.fstat(f.fileno()))
@@ -76,10 +87,15 @@ def open_source(reader: Any) -> Checkpoint:
     items, quantized = [], {}
     for name, dims, kind, offset in header.tensors:
         shape = tuple(reversed(dims))
-        if kind in _ARRAYS:
+        if kind in _ARRAYS and header.order == ">":
+            items.append((name, _BigEndianLeaf(reader, offset, shape, _ARRAYS[kind])))
+        elif kind in _ARRAYS:
             items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
+        elif header.order == ">":  # (llama.cpp swaps a block's scales, not its packed values: no rule to read it by)
+            items.append((name, _leaf.Unreadable(f"a {_type_name(kind)} tensor {list(shape)}",
+                                                 "quantized blocks of a big-endian file")))
         else:
-            items.append((name, QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind])))
+            items.append((name, QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind], name)))
             quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     checkpoint.warnings.extend([warning] if warning else [])
@@ -92,16 +108,20 @@ def open_source(reader: Any) -> Checkpoint:
 
 class _Header:
     """The parsed header: ``metadata`` (key -> text), ``tensors`` ((name, dims, type,
-    absolute offset)) and ``sizes`` (type -> (block size, bytes per block))."""
+    absolute offset)), ``sizes`` (type -> (block size, bytes per block)) and ``order``
+    (``"<"``, or ``">"`` for a big-endian file: every number in it, header and tensors)."""
 
     def __init__(self, reader: Any):
         self._reader, self._size, self._file = reader, reader.size, reader.path
         file, size = self._file, self._size
         self._at, self._buffer, self._buffer_at = 0, b"", 0
         self._window = 64 << 10  # read ahead: 64 KiB first (over HTTP, most headers' whole), doubling to 4 MiB
+        self.order = "<"
         if self._take(4) != MAGIC:
             raise FormatError("not a GGUF file: no GGUF magic", file=file)
         version = self._int("<I")
+        if version & 0xFFFF == 0 and version >> 16:  # as gguf-py tells a big-endian file: its version byte-swapped
+            self.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
         if version not in (2, 3):
             raise FormatError(f"GGUF version {version}; treecli reads versions 2 and 3", file=file)
         count, keys = self._int("<Q"), self._int("<Q")
@@ -114,12 +134,22 @@ class _Header:
             key = self._string()
             kind = self._int("<I")
             value = self._value(kind, depth=0)
+            if key in self.metadata:
+                raise FormatError(f"metadata key {key[:60]!r} is given twice (gguf-py refuses it too)", file=file)
             if key == "general.alignment":
                 if kind != 4 or value < 1 or value & (value - 1):
                     raise FormatError(f"general.alignment is {value!r}, not a power of two", file=file)
                 alignment = value
             self.metadata[key] = MetaValue(kind, value)
         infos = [(self._string(), *self._tensor_info()) for _ in range(count)]
+        names: set[str] = set()
+        for name, dims, kind, _ in infos:
+            if name in names:  # (gguf-py and llama.cpp refuse it: which one is meant?)
+                raise FormatError("two tensors have this name", file=file, keypath=name)
+            names.add(name)
+            if not dims and kind not in _ARRAYS:
+                raise FormatError(f"a 0-d {_type_name(kind)} tensor: quantized blocks need rows", file=file,
+                                  keypath=name)
         start = -(-self._at // alignment) * alignment
         self.sizes = _sizes({kind for _, _, kind, _ in infos} - set(_ARRAYS), file)
         self.tensors = []
@@ -157,6 +187,7 @@ class _Header:
         return self._buffer[local:local + n]
 
     def _int(self, fmt: str) -> Any:
+        fmt = self.order + fmt[1:]  # (every format here is written "<": the file's order decides)
         return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
 
     def _string(self) -> str:
@@ -168,8 +199,10 @@ class _Header:
             return self._int(_SCALARS[kind][0])
         if kind == _STRING:
             return self._string()
-        if kind != _ARRAY or depth > 2:
+        if kind != _ARRAY:
             raise FormatError(f"metadata value type {kind}, which GGUF does not define", file=self._file)
+        if depth >= MAX_NESTING:
+            raise FormatError(f"metadata arrays nested more than {MAX_NESTING} deep", file=self._file)
         item, count = self._int("<I"), self._int("<Q")
         if item in _SCALARS:
             import numpy as np
@@ -178,7 +211,7 @@ class _Header:
             if count * size > self._size - self._at:
                 raise FormatError(f"a metadata array of {count:,} items runs past the end of the file",
                                   file=self._file)
-            return item, np.frombuffer(self._take(count * size), _SCALARS[item][0]).tolist()
+            return item, np.frombuffer(self._take(count * size), self.order + _SCALARS[item][0][1:]).tolist()
         if count > self._size - self._at:  # every string or array takes at least 8 bytes
             raise FormatError(f"a metadata array of {count:,} items runs past the end of the file", file=self._file)
         return item, [self._value(item, depth + 1) for _ in range(count)]
@@ -257,11 +290,17 @@ class QuantizedLeaf(_leaf.WholeLeaf):
     dequantized by the gguf package when asked. A GGUF output copies its blocks as they
     are (``kind``, ``raw_nbytes`` bytes at ``raw_offset`` of ``reader``)."""
 
-    def __init__(self, reader: Any, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int]):
-        self._reader, self._offset, self._kind = reader, offset, kind
+    def __init__(self, reader: Any, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int],
+                 name: str = ""):
+        self._reader, self._offset, self._kind, self._name = reader, offset, kind, name
         self._block, self._block_bytes = sizes
         self.shape = shape
         self.dtype_name = "float32"
+
+    @property
+    def place(self) -> tuple[str, int] | None:
+        """Its file and the offset of its blocks there (None: computed, not read)."""
+        return None if self._reader is None else (self._reader.path, self._offset)
 
     @property
     def kind(self) -> int:
@@ -294,9 +333,47 @@ class QuantizedLeaf(_leaf.WholeLeaf):
 
         row = self.shape[-1] if self.shape else 1
         raw = self.blocks().reshape(self.size // max(1, row), row // self._block * self._block_bytes)
-        with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
-            values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
+        try:
+            with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
+                values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
+        except NotImplementedError:  # (Q8_1, Q8_K: llama.cpp's intermediate types; copied as they are)
+            raise FormatError(f"{_type_name(self._kind)} blocks, which the gguf package does not dequantize; a GGUF "
+                              "output copies them as they are", file=self._reader.path, keypath=self._name) from None
         return values.astype(np.float32, copy=False).reshape(-1)
+
+
+class _Blocks(_leaf.WholeLeaf):
+    """A quantized tensor's blocks, as stored: bytes."""
+
+    def __init__(self, quantized: QuantizedLeaf):
+        self._quantized = quantized
+        self.shape = (quantized.raw_nbytes,)
+        self.dtype_name = "uint8"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self._quantized.sources
+
+    def load(self):
+        return self._quantized.read_raw(0, self._quantized.raw_nbytes)
+
+
+class _BigEndianLeaf(FileArrayLeaf):
+    """A float or integer tensor of a big-endian GGUF file, read in the machine's order."""
+
+    __slots__ = ()
+    reads_parts = False  # (read through read_flat, which swaps)
+    fills_buffers = False
+
+    @property
+    def in_local_file(self) -> bool:
+        return False  # (its bytes are not its values: never compared as bytes with another leaf's)
+
+    def read_flat(self, start: int, stop: int):
+        return super().read_flat(start, stop).byteswap()
+
+    def read(self, index: Any = ()):
+        return super().read(index).byteswap()
 
 
 def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
