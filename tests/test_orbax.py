@@ -191,14 +191,53 @@ def test_orbax_output_that_would_not_fit_in_memory_is_refused(cli, tmp_path, mon
     assert snapshot(tmp_path) == before
 
 
-def test_a_checkpoint_without_commit_marker_is_incomplete(cli, standard, tmp_path):
-    target = tmp_path / "uncommitted"
-    shutil.copytree(standard, target)
-    (target / "commit_success.txt").unlink()
-    meta = json.loads((target / "_CHECKPOINT_METADATA").read_text())
-    meta["commit_timestamp_nsecs"] = None
-    (target / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
-    assert_clean_error(cli("show", target), "incomplete checkpoint")
+def test_a_local_checkpoint_is_finished_as_orbax_decides_by_its_name_not_its_markers(cli, standard, tmp_path):
+    """Orbax renames a local save into place once complete; an older Orbax wrote neither
+    commit_success.txt nor a commit time, and its checkpoints restore: they read."""
+    for name, drop in (("no_marker", ["commit_success.txt"]),
+                       ("no_checkpoint_metadata", ["commit_success.txt", "_CHECKPOINT_METADATA"])):
+        target = tmp_path / name
+        shutil.copytree(standard, target)
+        for file in drop:
+            (target / file).unlink()
+        if (target / "_CHECKPOINT_METADATA").exists():
+            meta = json.loads((target / "_CHECKPOINT_METADATA").read_text())
+            meta.pop("commit_timestamp_nsecs", None)
+            (target / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+        restored = ocp.StandardCheckpointer().restore(str(target))  # the reference restores it
+        shown = cli("show", target, "--json")
+        assert shown.code == 0, shown.stderr
+        got = leaves_of(treecli.load(target))
+        assert np.asarray(got["params.dense.kernel"]).tobytes() == \
+            np.asarray(restored["params"]["dense"]["kernel"]).tobytes()
+    unfinished = tmp_path / "run" / "100.orbax-checkpoint-tmp-1234"
+    shutil.copytree(standard, unfinished)
+    assert_clean_error(cli("show", unfinished), "incomplete checkpoint")
+
+
+def test_composite_items_json_of_v0_and_v1_and_an_item_without_metadata(cli, tmp_path):
+    from orbax.checkpoint.experimental import v1 as ocp1
+    from orbax.checkpoint.experimental.v1._src.handlers import registration
+    from orbax.checkpoint.experimental.v1._src.handlers.json_handler import JsonHandler
+
+    registry = registration.local_registry()
+    registry.add(JsonHandler, checkpointable_name="meta")
+    path = tmp_path / "v1"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ocp1.Context(checkpointables_options=ocp1.options.CheckpointablesOptions(registry=registry)):
+            ocp1.save_checkpointables(str(path), {"state": {"w": np.ones(3, np.float32)},
+                                                  "meta": {"step": 3, "tags": ["a"]}})
+    assert (path / "meta" / "data.json").is_file()
+    shown = cli("show", path, "--json")
+    assert shown.code == 0, shown.stderr
+    assert {leaf["keypath"] for leaf in shown.json["leaves"]} == {"state.w", "meta.step", "meta.tags.0"}
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / "state" / "_METADATA").unlink()
+    assert_clean_error(cli("show", broken), "item 'state' has no _METADATA")
 
 
 def test_item_restricts_show_to_one_item_of_a_step(cli, manager_root):

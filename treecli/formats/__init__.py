@@ -288,11 +288,13 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
     from treecli._index import MAX_NDIM
     from treecli._keypath import format_keypath
 
+    numbers = False
     for keypath, leaf in _tree.flatten(tree):
         if _leaf.is_array(leaf) and len(leaf.shape) > MAX_NDIM:
             raise TreecliError(f"a leaf of {len(leaf.shape)} dimensions; NumPy, and so treecli, reads at most "
                                f"{MAX_NDIM}: nothing written", file=file, keypath=format_keypath(keypath)[:80])
-    return tree if fmt.holds_numbers else _pytree.numbers_as_arrays(tree)
+        numbers = numbers or isinstance(leaf, (bool, int, float, complex))
+    return tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree)
 
 
 def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,

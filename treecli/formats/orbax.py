@@ -97,7 +97,7 @@ def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
         raise FormatError("incomplete checkpoint: an unfinished Orbax temporary directory", file=folder.name)
     if not _committed(folder):
         raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
-                          "_CHECKPOINT_METADATA (the save did not finish)", file=folder.name)
+                          "_CHECKPOINT_METADATA in the bucket (the save did not finish)", file=folder.name)
     if folder.is_file("_METADATA") or folder.is_file(_AGGREGATE):
         checkpoint = Checkpoint(tree=None, format="orbax", file=folder.name, origin=_origin("directory", folder))
         checkpoint.tree = _open_pytree(folder, checkpoint)
@@ -142,8 +142,13 @@ def _steps(root: Folder) -> tuple[dict[int, str], list[str]]:
 
 
 def _committed(directory: Folder) -> bool:
-    """Orbax marks a finished save with commit_success.txt, or a commit time in _CHECKPOINT_METADATA."""
-    if directory.is_file("commit_success.txt"):
+    """Whether a save finished, as Orbax decides: in GCS, where nothing is renamed, by its
+    commit_success.txt (or a commit time in _CHECKPOINT_METADATA); anywhere else by the
+    directory's name, a save being renamed from its temporary name once complete (so
+    checkpoints of Orbax versions that wrote neither marker restore, and read)."""
+    if _TMP_MARK in directory.name.rstrip("/").rsplit("/", 1)[-1]:
+        return False
+    if directory.is_file("commit_success.txt") or not directory.name.startswith("gs://"):
         return True
     try:
         metadata = json.loads(directory.read_text("_CHECKPOINT_METADATA"))
@@ -176,12 +181,17 @@ def _open_step(step_dir: Folder) -> Checkpoint:
         raise FormatError("_METADATA is missing (corrupt or incomplete checkpoint)", file=step_dir.name)
     checkpoint = Checkpoint(tree=None, format="orbax", file=step_dir.name, origin=_origin("step", step_dir))
     items = checkpoint.items
+    named = handlers.get("item_handlers") if isinstance(handlers, dict) else None
+    named = set(named) if isinstance(named, dict) else set()  # the items the save wrote
     for name in step_dir.subfolders():
         item = step_dir.child(name)
         if item.is_file("_METADATA") or item.is_file(_AGGREGATE):
             items[name] = _open_pytree(item, checkpoint)
-        elif item.is_file("metadata"):  # JsonSave writes ITEM/metadata
-            items[name] = _read_json(item, "metadata")
+        elif json_file := next((f for f in _JSON_ITEM_FILES if item.is_file(f)), None):
+            items[name] = _read_json(item, json_file)
+        elif name in named:  # an item the save names, which holds none of its files: never left out silently
+            raise FormatError(f"item {name!r} has no _METADATA (nor JSON data): corrupt or incomplete",
+                              file=step_dir.name)
     if not items:
         raise FormatError("no readable items (each needs _METADATA or a JSON metadata file)", file=step_dir.name)
     checkpoint.info["items"] = sorted(items)
@@ -189,6 +199,10 @@ def _open_step(step_dir: Folder) -> Checkpoint:
     # returns its tree without that level: so does treecli (`item="default"` names it).
     checkpoint.tree = items["default"] if list(items) == ["default"] else dict(items)
     return checkpoint
+
+
+# A JSON item's file: v0's JsonSave writes ITEM/metadata, v1's JsonHandler ITEM/data.json.
+_JSON_ITEM_FILES = ("metadata", "data.json")
 
 
 def _read_json(folder: Folder, name: str) -> Any:
