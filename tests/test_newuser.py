@@ -313,7 +313,7 @@ def test_key_paths_complete_one_level_at_a_time():
     assert _complete("treecli edit examples/tiny.safetensors --scale model.norm.weight=") == []
 
 
-@pytest.mark.parametrize("source", ["examples/tiny.npz", "m.msgpack"])
+@pytest.mark.parametrize("source", ["examples/tiny.npz"])  # (msgpack: an HF Flax directory's, so HF's directory)
 def test_a_file_format_written_to_a_name_without_extension_suggests_a_directory_format(tmp_path, source):
     import treecli
 
@@ -393,4 +393,4 @@ def test_an_error_line_is_bounded_whatever_built_it(tmp_path):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         _print_error("x" * 10_000_000, ["y" * 10_000])
-    assert len(err.getvalue()) < 5000 and "more characters" in err.getvalue()
+    assert len(err.getvalue()) < 5000 and "characters) ..." in err.getvalue()

@@ -69,6 +69,15 @@ def clipped(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
 
 
+def clipped_middle(text: str, limit: int) -> str:
+    """``text`` in at most about ``limit`` characters, its start and its end kept (a message's
+    end says what is wrong), what lies between counted."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} ... ({len(text) - head - tail:,} characters) ... {text[-tail:]}"
+
+
 def json_text(document: str) -> str:
     """A JSON document with the controls JSON leaves raw (DEL, C1, bidi) escaped as ``\\uXXXX``."""
     # JSON escapes every C0 control in its strings: in an ASCII document (a flag Python keeps)

@@ -237,10 +237,10 @@ _MAX_LINE = 2000
 def _print_error(headline: str, details: list[str] = (), *, json: bool = False, error: object = None) -> None:
     """The error's one line on stderr (and its details under it); with ``--json``, also a
     JSON document on stdout, so that a script reading it never reads nothing."""
-    from treecli._escape import clipped, visible
+    from treecli._escape import clipped_middle, visible
 
-    headline = clipped(" ".join(headline.splitlines()), _MAX_LINE)
-    details = [clipped(d, _MAX_LINE) for d in details]
+    headline = clipped_middle(" ".join(headline.splitlines()), _MAX_LINE)
+    details = [clipped_middle(d, _MAX_LINE) for d in details]
     _cluster.failed(headline)  # the other processes of a run stop too
     lines = [f"treecli: error: {headline}"]
     lines += [f"    {d}" for d in details[:20]]
@@ -254,7 +254,8 @@ def _print_error(headline: str, details: list[str] = (), *, json: bool = False, 
 
         document = {"error": {"line": headline, "file": getattr(error, "file", None),
                               "keypath": getattr(error, "keypath", None),
-                              "message": clipped(getattr(error, "message", headline), _MAX_LINE), "details": details}}
+                              "message": clipped_middle(getattr(error, "message", headline), _MAX_LINE),
+                              "details": details}}
         with contextlib.suppress(OSError):
             sys.stdout.write(json_text(json_module.dumps(document, indent=2)) + "\n")
 
