@@ -105,3 +105,36 @@ def test_damaged_checkpoints_are_one_line(cli, tmp_path):
     assert_clean_error(cli("show", tmp_path / "c"), "w: a chunk at", "past its end")
     (tmp_path / "c" / ".metadata").write_bytes(b"\x80\x04cos\nsystem\n.")  # a metadata pickle naming os.system
     assert_clean_error(cli("show", tmp_path / "c"), "names os.system")
+
+
+def test_chunks_that_overlap_are_refused_though_their_volumes_add_up(cli, sharded, tmp_path):
+    import pickle
+    import shutil
+
+    target = tmp_path / "overlapping"
+    shutil.copytree(sharded, target)
+    with open(target / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # (the test's own file: trusted)
+    chunks = metadata.state_dict_metadata["model.w"].chunks
+    assert [list(c.offsets) for c in chunks] == [[0, 0], [3, 0]]
+    chunks[1].offsets = torch.Size([0, 0])  # both at row 0: 30 elements "held", rows 3-5 held by none
+    with open(target / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    assert_clean_error(cli("show", target), "model.w: the chunks at [0, 0] and [0, 0] overlap")
+    assert_clean_error(cli("convert", target, tmp_path / "o.safetensors"), "overlap")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_value_holding_tensors_reads_as_a_subtree_never_a_private_object(cli, tmp_path):
+    state = {"w": torch.ones(2), "pair": (torch.arange(2), "x"), "tags": frozenset(["a"])}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "c")
+    shown = cli("show", tmp_path / "c", "--json")
+    assert shown.code == 0, shown.stderr  # (a frozenset pickled as __builtin__.frozenset, as protocol 2 names it)
+    rows = {row["keypath"]: row for row in shown.json["leaves"]}
+    assert rows["pair.0"]["shape"] == [2] and rows["pair.1"]["value"] == "x"
+    assert "_Tensor" not in shown.stdout
+    assert np.asarray(leaves(treecli.load(tmp_path / "c"))["pair.0"]).tolist() == [0, 1]

@@ -35,6 +35,7 @@ from treecli._leaf import Unreadable
 # tensors holds about 4 million. Beyond that the file is refused, in bounded memory.
 MAX_VALUES = 20_000_000
 MAX_NESTING = 1000  # tuples in tuples: far beyond any checkpoint, far below the C stack's limit
+_PYTHON_2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
 
 class Mark:
@@ -157,6 +158,7 @@ class Unpickler:
     def _global(self, module: str, name: str) -> Any:
         """An allowed global: a :class:`Global` to call, or the plain value it stands for
         (a dtype, a storage type: whatever in ``allowed`` is not callable)."""
+        module = _PYTHON_2_MODULES.get(module, module)  # (protocols 2 and under name Python 2's, as pickle maps them)
         full = f"{module}.{name}"
         build = self.allowed.get(full)
         if build is not None and not callable(build):

@@ -157,12 +157,33 @@ def _value(folder: Any, fqn: str, entry: Record, where: dict, readers: dict, che
                               file=file, keypath=fqn)
         pieces.append((tuple((o, o + s) for o, s in zip(offsets, sizes)), obj))
         covered += math.prod(sizes)
-    if covered != math.prod(shape):  # (chunks inside the tensor, so equal volumes cover it, if they do not overlap)
+    overlap = _overlapping(pieces)
+    if overlap is not None:  # (two chunks on one place: volumes that add up could still leave places uncovered)
+        raise FormatError(f"the chunks at {list(overlap[0])} and {list(overlap[1])} overlap", file=file, keypath=fqn)
+    if covered != math.prod(shape):  # inside the tensor and disjoint: they cover it exactly when the volumes agree
         raise FormatError(f"the chunks hold {covered} elements of the tensor's {math.prod(shape)}", file=file,
                           keypath=fqn)
     if len(pieces) == 1:
         return pieces[0][1]
     return _leaf.PiecedLeaf(shape, dtype.name, pieces, f"{file}: {fqn}: no chunk holds a part read")
+
+
+def _overlapping(pieces: list[tuple[tuple, Any]]) -> tuple[tuple, tuple] | None:
+    """The offsets of two boxes that share a place, or None: each box against all the others,
+    one row of the comparison at a time (a tensor has at most a few thousand chunks)."""
+    import numpy as np
+
+    boxes = [bounds for bounds, _ in pieces if all(stop > start for start, stop in bounds)]
+    if len(boxes) < 2:
+        return None
+    starts = np.array([[start for start, _ in box] for box in boxes], np.int64)
+    stops = np.array([[stop for _, stop in box] for box in boxes], np.int64)
+    for i in range(len(boxes) - 1):
+        shared = np.all((starts[i] < stops[i + 1:]) & (starts[i + 1:] < stops[i]), axis=1)
+        if shared.any():
+            j = i + 1 + int(np.argmax(shared))
+            return tuple(starts[i].tolist()), tuple(starts[j].tolist())
+    return None
 
 
 def _chunk(folder: Any, fqn: str, place: Any, readers: dict, checkpoint: Checkpoint) -> Any:
@@ -181,5 +202,7 @@ def _chunk(folder: Any, fqn: str, place: Any, readers: dict, checkpoint: Checkpo
     if not (type(offset) is int and type(length) is int and 0 <= offset and offset + length <= reader.size):
         raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
     obj, places = torch_format.read_zip(reader, (offset, length))
-    items = torch_format.items_of(obj, places, reader, reader.path)
-    return items[0][1] if len(items) == 1 and items[0][0] == "" else obj
+    items = torch_format.items_of(obj, places, reader, reader.path, checkpoint.warnings)
+    if len(items) == 1 and items[0][0] == "":
+        return items[0][1]
+    return _flatkeys.nest(items, ".")[0]  # (a value holding tensors: its tensors lazy leaves, as in a .pt)
