@@ -400,3 +400,27 @@ def test_key_paths_of_a_pytorch_file_complete(tmp_path):
     result = subprocess.run([sys.executable, "-m", "treecli"], capture_output=True, text=True,
                             env={**os.environ, **env})
     assert result.stdout.split() == ["model.layers.0.", "model.layers.1."], result.stdout + result.stderr
+
+
+def test_a_storage_stored_twice_or_past_the_end_of_the_zip_is_refused(tmp_path, cli):
+    import warnings
+
+    pickled, storages = real_pickle({"w": torch.arange(6.0)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile: "Duplicate name"
+        with zipfile.ZipFile(tmp_path / "twice.pt", "w") as z:
+            z.writestr("archive/data.pkl", pickled)
+            z.writestr("archive/data/0", storages["0"])
+            z.writestr("archive/data/0", b"\0" * len(storages["0"]))
+    assert_clean_error(cli("show", tmp_path / "twice.pt"), "the zip holds member 'archive/data/0' twice")
+    # a member whose directory entry claims 1 GiB that the file does not hold (torch refuses it)
+    torch_zip(tmp_path / "short.pt", pickled, storages)
+    data = bytearray((tmp_path / "short.pt").read_bytes())
+    for at in range(len(data) - 46):
+        if data[at:at + 4] == b"PK\x01\x02" and data[at + 46:at + 46 + 14] == b"archive/data/0":
+            data[at + 20:at + 28] = struct.pack("<II", 1 << 30, 1 << 30)  # compressed and real sizes
+    (tmp_path / "short.pt").write_bytes(bytes(data))
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "short.pt", weights_only=True)
+    result = cli("show", tmp_path / "short.pt")
+    assert_clean_error(result, "storage '0' runs past the end of the zip")

@@ -384,6 +384,9 @@ def read_zip(source: Any, window: tuple[int, int]) -> tuple[Any, dict[str, tuple
     try:
         with zipfile.ZipFile(_zip.SourceFile(source, *window)) as z:
             infos = {info.filename: info for info in z.infolist()}
+            if len(infos) != len(z.infolist()):  # which copy is meant? (readers differ: torch takes another)
+                twice = next(n for n in infos if sum(i.filename == n for i in z.infolist()) > 1)
+                raise FormatError(f"the zip holds member {twice!r} twice", file=file)
             prefix = _archive_name(list(infos))
             if prefix is None:
                 raise FormatError("not a torch.save zip: no single NAME/data.pkl", file=file)
@@ -407,7 +410,11 @@ def read_zip(source: Any, window: tuple[int, int]) -> tuple[Any, dict[str, tuple
             raise FormatError(f"the pickle names storage {key!r}, which the zip does not hold", file=file)
         if info.compress_type != zipfile.ZIP_STORED:
             raise FormatError(f"storage {key!r} is compressed; torch.save stores storages as they are", file=file)
-        places[key] = (_zip.stored_member_offset(source, info, start), info.file_size)
+        offset = _zip.stored_member_offset(source, info, start)
+        if offset + info.file_size > start + window[1]:  # (torch refuses it too: a claim the file does not back)
+            raise FormatError(f"storage {key!r} runs past the end of the zip ({info.file_size:,} bytes at "
+                              f"{offset - start:,} of {window[1]:,})", file=file)
+        places[key] = (offset, info.file_size)
     return obj, places
 
 
