@@ -5,6 +5,7 @@ test_mergekit_oracle.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,44 @@ def test_nested_alias_values_are_refused_in_bounded_time(models, tmp_path, cli):
     config.write_text(f"merge_method: linear\nmodels:\n  - model: {models['a']}\n    parameters:\n"
                       f"      weight: {value}\n")
     assert_clean_error(cli("merge", "--config", config, "-o", tmp_path / "out.safetensors"), "nested this deep")
+
+
+def test_an_alias_bomb_as_a_model_name_is_quoted_in_a_few_dozen_characters(models, tmp_path, cli):
+    """A 2 KB config whose model name is 9**9 strings by YAML aliases (the anchors under
+    `name`, a key mergekit ignores): the message quotes a few dozen characters of it."""
+    layers = ["x0: &b0 [" + ",".join(["aaaaaaaaaa"] * 9) + "]"]
+    layers += [f"x{i}: &b{i} [" + ",".join([f"*b{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    config = tmp_path / "bomb.yml"
+    config.write_text("name:\n  " + "\n  ".join(layers) + f"\nmerge_method: linear\nmodels:\n  - model: "
+                      f"{models['a']}\n  - model: *b8\n")
+    assert len(config.read_bytes()) < 3000
+    result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
+    assert_clean_error(result, "models[1].model: expected a model's path or URL, found [[[")
+    assert len(result.stderr) < 400
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda path: os.mkfifo(path), "is a FIFO; treecli reads only regular files"),
+    (lambda path: path.symlink_to("/dev/zero"), "is a character device"),
+    (lambda path: path.write_text("merge_method: linear\nmodels: " + "[" * 100_000), "nested deeper than any"),
+], ids=["fifo", "/dev/zero", "deep"])
+def test_a_config_that_is_no_file_or_too_deep_is_one_line_in_bounded_time(models, tmp_path, make, fragment):
+    import subprocess
+    import sys
+
+    config = tmp_path / "merge.yml"
+    make(config)
+    result = subprocess.run([sys.executable, "-m", "treecli", "merge", "--config", str(config), "-o",
+                             str(tmp_path / "out.safetensors")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
+    with pytest.raises(treecli.TreecliError, match=fragment.split(";")[0]):
+        treecli.merge(config=config)  # the Python API reads it the same way
+
+
+def test_a_weight_of_hundreds_of_digits_is_one_line(models, tmp_path, cli):
+    config = write(tmp_path, "merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: " + "9" * 400
+                   + "}}\n  - model: {b}\n", **models)
+    assert_clean_error(cli("merge", "--config", config, "-o", tmp_path / "out.safetensors"), "is not a finite number")
 
 
 def test_flags_that_belong_in_the_config_are_refused(models, tmp_path, cli):

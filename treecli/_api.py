@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -183,7 +184,7 @@ def merge(trees: Sequence[Any] | None = None, method: str | None = None, *, base
         if trees is not None or method is not None or base is not None:
             raise UsageError("a config names the method, the base and the models; give config alone "
                              "(models= maps its names to trees)")
-        parsed = _merge.load_config(config)
+        parsed = merge_config_file(config) if isinstance(config, (str, PathLike)) else _merge.load_config(config)
         given = dict(models or {})
         natives = {name: _pytree.to_native(tree)[0] if name in given else open(name).tree
                    for name, tree in ((n, given.get(n)) for n in parsed.models())}
@@ -196,6 +197,19 @@ def merge(trees: Sequence[Any] | None = None, method: str | None = None, *, base
     if base is None:
         return _finish(result, natives, structures[0] if structures else None), report
     return _finish(result, (native_base, *natives), base_structure), report
+
+
+def merge_config_file(path: str | PathLike) -> Any:
+    """A mergekit config file, checked: a regular file (never a FIFO or a device, which would
+    hang or never end) of at most 1 MiB of UTF-8, parsed as YAML plain data."""
+    from treecli._bytes.local import read_text
+    from treecli._mergeconfig import MAX_CONFIG_BYTES, parse
+
+    try:
+        text = read_text(path, MAX_CONFIG_BYTES, "merge config")
+    except OSError as e:
+        raise UsageError(f"cannot read the config: {e.strerror or e}", file=str(path)) from None
+    return _merge.load_config(parse(text, str(path)), where=str(path))
 
 
 def slice_tree(tree: Any, rules: Sequence[Any]) -> tuple[Any, Any]:

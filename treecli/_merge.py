@@ -41,6 +41,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from treecli import _combine, _gc, _keypath, _leaf, _mergeconfig, _methods, _tree
@@ -907,11 +908,14 @@ def _slerp_factors(t: float, dot: float, norm0: float, norm1: float) -> tuple[fl
 # --- a mergekit config -----------------------------------------------------------------------------
 
 
-def load_config(config: Any) -> _mergeconfig.MergeConfig:
-    """A mergekit config (a path to its YAML, or the parsed mapping), checked against the methods."""
+def load_config(config: Any, where: str = "the config") -> _mergeconfig.MergeConfig:
+    """A mergekit config (its parsed YAML: ``_mergeconfig.parse``), checked against the methods."""
     if isinstance(config, _mergeconfig.MergeConfig):
         return config
-    return _mergeconfig.load(config, PARAMETERS, list(METHODS))
+    if isinstance(config, (str, Path)):
+        raise UsageError("a config file is read by treecli.merge(config=PATH) or merge --config; here, give its "
+                         "parsed mapping")
+    return _mergeconfig.load(config, PARAMETERS, list(METHODS), where)
 
 
 def merge_config(config: Any, trees: dict[str, Any], *, seed: int = 0, non_float: str = "last",

@@ -78,31 +78,41 @@ class MergeConfig:
         return list(dict.fromkeys(names))
 
 
-def load(config: str | Path | Mapping[str, Any], known_parameters: list[str], methods: list[str]) -> MergeConfig:
-    """Parse a config file (path) or an already parsed mapping."""
-    where = "the config"
-    if isinstance(config, (str, Path)):
-        import yaml
+def parse(text: str, where: str) -> Any:
+    """A config file's text (read by the caller: a regular file, at most
+    ``MAX_CONFIG_BYTES``) as YAML plain data.
 
-        where = str(config)
-        try:
-            if Path(config).stat().st_size > MAX_CONFIG_BYTES:
-                raise UsageError(f"{config}: a merge config of more than {MAX_CONFIG_BYTES >> 20} MiB; is this "
-                                 "the config?")
-            text = Path(config).read_text(encoding="utf-8")
-        except OSError as e:
-            raise UsageError(f"{config}: cannot read the config: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"{config}: the config is not UTF-8 text") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark is not None else ""
-            raise UsageError(f"{config}: not a YAML config{at}: {getattr(e, 'problem', None) or e}") from None
-    else:
-        data = config
+    Raises:
+        UsageError: not YAML, or nested deeper than any config.
+    """
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{where}: not a YAML config{at}: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: nested deeper than any merge config") from None
+
+
+def load(data: Any, known_parameters: list[str], methods: list[str], where: str = "the config") -> MergeConfig:
+    """A parsed config (plain data, as ``parse`` gives it) checked and resolved."""
     return _Parser(where, known_parameters, methods).config(data)
+
+
+def shown(value: Any) -> str:
+    """A value from a config as a message quotes it: bounded in depth and length, however
+    it was built (a YAML alias bomb shares one list a billion times over)."""
+    import reprlib
+
+    from treecli._escape import clipped
+
+    bounded = reprlib.Repr()
+    bounded.maxlevel, bounded.maxstring, bounded.maxother = 3, 60, 60
+    bounded.maxlist = bounded.maxtuple = bounded.maxdict = bounded.maxset = 4
+    return clipped(bounded.repr(value), 80)
 
 
 class _Parser:
@@ -118,7 +128,7 @@ class _Parser:
             raise self.fail(path, f"expected a mapping, found {type(data).__name__}")
         for key in data:
             if not isinstance(key, str):
-                raise self.fail(path, f"key {key!r} is not a string")
+                raise self.fail(path, f"key {shown(key)} is not a string")
             at = f"{path}.{key}" if path else key
             if key in IGNORED and key in allowed:
                 self.warnings.append(f"{self.where}: {at} is ignored: {IGNORED[key]}")
@@ -136,7 +146,7 @@ class _Parser:
             raise self.fail("merge_method", "missing: name the method (" + ", ".join(self.methods) + ")")
         if method not in self.methods:
             near = closest(method, self.methods, limit=1)
-            raise self.fail("merge_method", f"unknown method {method!r}" + (f"; did you mean {near[0]!r}?" if near
+            raise self.fail("merge_method", f"unknown method {shown(method)}" + (f"; did you mean {near[0]!r}?" if near
                                                                               else f"; one of {', '.join(self.methods)}"))
         if "modules" in data:
             raise self.fail("modules", "several modules (a vision tower beside the language model) are not "
@@ -155,7 +165,7 @@ class _Parser:
         dtypes = {k: data.get(k) for k in ("dtype", "out_dtype")}
         for key, value in dtypes.items():
             if value is not None and not isinstance(value, str):
-                raise self.fail(key, f"expected a dtype name such as bfloat16, found {value!r}")
+                raise self.fail(key, f"expected a dtype name such as bfloat16, found {shown(value)}")
         pattern = data.get("layer_pattern")
         if pattern is not None and not isinstance(pattern, str):
             raise self.fail("layer_pattern", "expected a regular expression")
@@ -175,9 +185,9 @@ class _Parser:
             if isinstance(value, dict):
                 value = value.get("path")
         if not isinstance(value, str) or not value:
-            raise self.fail(path, f"expected a model's path or URL, found {value!r}")
+            raise self.fail(path, f"expected a model's path or URL, found {shown(value)}")
         if "+" in value and not Path(value).exists():
-            raise self.fail(path, f"{value!r}: a model+LoRA reference is not supported; merge the adapter first")
+            raise self.fail(path, f"{shown(value)}: a model+LoRA reference is not supported; merge the adapter first")
         return value
 
     def model(self, data: Any, path: str) -> Source:
@@ -194,7 +204,7 @@ class _Parser:
             span = source.get("layer_range")
             if (not isinstance(span, list) or len(span) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
                                                                         for x in span) or not 0 <= span[0] <= span[1]):
-                raise self.fail(f"{where}.layer_range", f"expected [start, stop] layer numbers, found {span!r}")
+                raise self.fail(f"{where}.layer_range", f"expected [start, stop] layer numbers, found {shown(span)}")
             sources.append(Source(self.model_name(source.get("model"), f"{where}.model"), (span[0], span[1]),
                                   self.parameters(source.get("parameters"), f"{where}.parameters")))
         lengths = {s.layers[1] - s.layers[0] for s in sources}
@@ -229,15 +239,15 @@ class _Parser:
             value = [value]
         if not isinstance(value, list) or not value:
             raise self.fail(path, f"expected a number, a list of numbers (a gradient) or filter entries, "
-                                  f"found {value!r}")
+                                  f"found {shown(value)}")
         if all(_scalar(v) for v in value):
             return
         for i, entry in enumerate(value):
             if not isinstance(entry, dict) or "value" not in entry or not set(entry) <= {"filter", "value"}:
-                raise self.fail(f"{path}[{i}]", f"expected {{filter: NAME, value: V}}, found {entry!r}")
+                raise self.fail(f"{path}[{i}]", f"expected {{filter: NAME, value: V}}, found {shown(entry)}")
             if entry.get("filter") is not None and not isinstance(entry["filter"], str):
                 raise self.fail(f"{path}[{i}].filter", f"expected a substring of tensor names, found "
-                                                       f"{entry['filter']!r}")
+                                                       f"{shown(entry['filter'])}")
             self.setting(entry["value"], f"{path}[{i}].value", depth + 1)
 
 
@@ -277,18 +287,24 @@ def convert(value: Any, kind: type) -> Any:
             return value.lower() == "true"
         if isinstance(value, (int, float)) and value in (0, 1):
             return bool(value)
-        raise UsageError(f"{value!r} is not true or false")
+        raise UsageError(f"{shown(value)} is not true or false")
     if isinstance(value, bool):
         return int(value) if kind is int else float(value)
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
-            raise UsageError(f"{value!r} is not a number") from None
+            raise UsageError(f"{shown(value)} is not a number") from None
+    if not isinstance(value, (int, float)):
+        raise UsageError(f"{shown(value)} is not a number")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        number = math.inf
     if kind is int:
-        if not float(value).is_integer():
-            raise UsageError(f"{value!r} is not a whole number")
+        if not number.is_integer():
+            raise UsageError(f"{shown(value)} is not a whole number")
         return int(value)
-    if not math.isfinite(value):
-        raise UsageError(f"{value!r} is not a finite number")
-    return float(value)
+    if not math.isfinite(number):
+        raise UsageError(f"{shown(value)} is not a finite number")
+    return number

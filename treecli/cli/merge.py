@@ -129,9 +129,10 @@ def merge(
 
 def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern: str | None, non_float: str,
                   format, force: bool, max_shard_size, drop_unsupported: bool, like, json: bool) -> None:
-    from treecli._merge import load_config, merge_config
+    from treecli._api import merge_config_file
+    from treecli._merge import merge_config
 
-    config = load_config(path)
+    config = merge_config_file(path)
     with contextlib.ExitStack() as stack:
         opened = {name: stack.enter_context(open_input(out, name, like=like)) for name in config.models()}
         tree, report = merge_config(config, {name: c.tree for name, c in opened.items()}, seed=seed,
