@@ -181,3 +181,31 @@ def test_the_plot_is_in_the_table_s_units(tmp_path):
         matplotlib.axes.Axes.plot = original
     assert drawn["y"] == pytest.approx([2.0, 10.0])  # percent, as the table's 2.000% and 10.000%
     assert real(tmp_path / "p.png").is_file()
+
+
+def test_plot_never_replaces_a_dangling_symlink_and_a_read_only_directory_is_one_line(cli, tmp_path, monkeypatch):
+    import os
+
+    pytest.importorskip("matplotlib")
+    a = llama_like(0)
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(llama_like(1), str(tmp_path / "b.safetensors"))
+    args = ["diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-layer", "--plot"]
+    (tmp_path / "link.png").symlink_to(tmp_path / "elsewhere.png")
+    assert_clean_error(cli(*args, tmp_path / "link.png"), "the file exists")
+    assert not (tmp_path / "elsewhere.png").exists() and (tmp_path / "link.png").is_symlink()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # (root writes anywhere: then the write itself fails, below)
+            assert_clean_error(cli(*args, locked / "p.png"), "is not writable")
+    finally:
+        locked.chmod(0o700)
+    from treecli import _atomic
+
+    def refused(target, *rest):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_atomic, "atomic_file", refused)
+    assert_clean_error(cli(*args, tmp_path / "p.png"), "cannot write it: Permission denied")

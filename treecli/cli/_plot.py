@@ -4,6 +4,7 @@ of module, drawn with matplotlib (an optional extra: ``pip install 'treecli[plot
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ def check_target(target: str) -> None:
     path = Path(target)
     if path.suffix.lower() != ".png":
         raise UsageError(f"--plot {target!r}: name a .png file")
-    if path.exists():
+    if os.path.lexists(path):  # (a dangling symlink too: writing would follow it somewhere else)
         raise UsageError(f"--plot {target!r}: the file exists; remove it or name another")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {target!r}: the directory {str(path.parent)!r} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--plot {target!r}: the directory {str(path.parent)!r} is not writable")
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot draws with matplotlib, which is not installed: pip install 'treecli[plot]'")
 
@@ -59,5 +62,8 @@ def draw_layers(report: Any, target: str, title: str) -> None:
     if any(not line.get_label().startswith("_") for line in axes.lines):
         axes.legend()
     figure.tight_layout()
-    with atomic_file(Path(target)) as tmp:
-        figure.savefig(tmp, format="png")
+    try:
+        with atomic_file(Path(target)) as tmp:
+            figure.savefig(tmp, format="png")
+    except OSError as e:
+        raise UsageError(f"--plot {target!r}: cannot write it: {e.strerror or e}") from None
