@@ -133,3 +133,50 @@ def test_every_format_loads_into_any_sharding(tmp_path):
     result = subprocess.run([sys.executable, "-c", EVERY_FORMAT, str(tmp_path)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+KEYS_AND_MISFITS = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np, treecli
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+sharding = NamedSharding(mesh, P("x"))
+keys = jax.device_put(jax.random.split(jax.random.key(3), 8), sharding)
+w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), sharding)
+state = {"rngs": keys, "w": w}
+treecli.save(state, sys.argv[1])
+like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+back = treecli.load(sys.argv[1], like=like)
+assert back["rngs"].sharding == sharding, back["rngs"].sharding  # every leaf its template's, key data too
+assert jax.dtypes.issubdtype(back["rngs"].dtype, jax.dtypes.prng_key)
+assert np.array_equal(jax.random.key_data(back["rngs"]), jax.random.key_data(keys))
+assert back["w"].sharding == sharding
+# an NNX state's key leaf, through its own template
+model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=jax.random.key(1)))
+graphdef, nnx_state = nnx.split(model)
+sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), nnx_state)
+treecli.save(sharded, sys.argv[2])
+again = treecli.load(sys.argv[2], like=sharded)
+for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(sharded)):
+    assert got.sharding == want.sharding, (got.sharding, want.sharding)
+# a sharding that does not divide a leaf: one line naming it, as sharding= does
+odd = {"rngs": like["rngs"], "w": jax.ShapeDtypeStruct((8, 4), np.float32,
+                                                       sharding=NamedSharding(mesh, P(None, "x")))}
+try:
+    treecli.load(sys.argv[1], like=odd)
+except treecli.TreecliError as e:
+    assert "w: the sharding does not fit this leaf of shape [8, 4]" in str(e), str(e)
+else:
+    raise AssertionError("no error")
+print("ok")
+"""
+
+
+def test_typed_key_leaves_take_their_template_s_sharding_and_misfits_name_the_leaf(tmp_path):
+    pytest.importorskip("flax")
+    result = subprocess.run([sys.executable, "-c", KEYS_AND_MISFITS, str(tmp_path / "k.safetensors"),
+                             str(tmp_path / "nnx.safetensors")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

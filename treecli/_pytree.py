@@ -245,14 +245,41 @@ def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
         expected = template.leaves[index]
         if lazy and not isinstance(leaf, _NUMBERS) and not is_key(expected):
             leaves[index] = leaf
-        elif on_device(expected) and _leaf.is_array(leaf):
-            to_devices.append((format_keypath(keypath), _leaf.as_leaf(leaf), _devices.target(expected), index))
+        elif (on_device(expected) or is_key(expected)) and _leaf.is_array(leaf):
+            # (a key array's data takes the keys' sharding: its own axis, the key's words, last and whole)
+            leaf, sharding = _leaf.as_leaf(leaf), _devices.target(expected)
+            _check_fits(sharding, leaf, file, format_keypath(keypath))
+            to_devices.append((format_keypath(keypath), leaf, sharding, index))
         else:
             leaves[index] = convert(leaf, expected)
     placed = _devices.place([(leaf, sharding) for _, leaf, sharding, _ in to_devices], [t[0] for t in to_devices])
     for (_, _, _, index), array in zip(to_devices, placed):
-        leaves[index] = array
+        expected = template.leaves[index]
+        leaves[index] = _wrap_key_data(array, expected) if is_key(expected) else array
     return template.treedef.unflatten(leaves)
+
+
+def _wrap_key_data(data: Any, like: Any) -> Any:
+    """Key data placed on devices, as the typed key array ``like`` is (sharding kept)."""
+    import jax
+
+    return jax.random.wrap_key_data(data, impl=_key_impl(like))
+
+
+def _check_fits(sharding: Any, leaf: _leaf.ArrayLeaf, file: str, keypath: str) -> None:
+    """Refuse, naming the leaf, a sharding that does not divide its shape (before a byte is read).
+
+    Raises:
+        UsageError: JAX's reason, in treecli's one line.
+    """
+    if sharding is None:
+        return
+    try:
+        sharding.shard_shape(tuple(leaf.shape))
+    except Exception as e:  # IndivisibleError, or a spec of more axes than the leaf has
+        reason = str(e).splitlines()[0][:300] if str(e) else "the leaf has fewer axes than its spec"
+        raise UsageError(f"the sharding does not fit this leaf of shape {list(leaf.shape)}: "
+                         f"{type(e).__name__}: {reason}", file=file, keypath=keypath) from None
 
 
 def onto_devices(tree: Any, sharding: Any, *, file: str) -> Any:
@@ -270,13 +297,7 @@ def onto_devices(tree: Any, sharding: Any, *, file: str) -> Any:
         leaf = _leaf.as_leaf(leaf)
         text = format_keypath(keypath)
         target = sharding(text) if callable(sharding) else sharding
-        if target is not None:
-            try:
-                target.shard_shape(tuple(leaf.shape))
-            except Exception as e:  # IndivisibleError, or a spec of more axes than the leaf has
-                reason = str(e).splitlines()[0][:300] if str(e) else "the leaf has fewer axes than its spec"
-                raise UsageError(f"the sharding does not fit this leaf of shape {list(leaf.shape)}: "
-                                 f"{type(e).__name__}: {reason}", file=file, keypath=text) from None
+        _check_fits(target, leaf, file, text)
         chosen.append((keypath, leaf, target))
     placed = dict(zip((keypath for keypath, _, _ in chosen),
                       _devices.place([(l, t) for _, l, t in chosen], [format_keypath(kp) for kp, _, _ in chosen])))
