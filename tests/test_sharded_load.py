@@ -180,3 +180,31 @@ def test_typed_key_leaves_take_their_template_s_sharding_and_misfits_name_the_le
     result = subprocess.run([sys.executable, "-c", KEYS_AND_MISFITS, str(tmp_path / "k.safetensors"),
                              str(tmp_path / "nnx.safetensors")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+PEAK = r"""
+import os, resource, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np, treecli
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors.numpy import save_file
+
+save_file({"w": np.ones((8192, 8192), np.float32)}, sys.argv[1])  # 256 MiB
+mesh = Mesh(np.array(jax.devices()), ("x",))
+like = {"w": jax.ShapeDtypeStruct((8192, 8192), np.float32, sharding=NamedSharding(mesh, P("x")))}
+jax.device_put(np.zeros(1), jax.devices()[0]).block_until_ready()
+start = int(open("/proc/self/statm").read().split()[1]) * 4096
+tree = treecli.load(sys.argv[1], like=like)
+tree["w"].block_until_ready()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+assert float(np.asarray(tree["w"][4096, 7])) == 1.0
+print(f"{(peak - start) / (256 << 20):.2f}")
+"""
+
+
+def test_a_sharded_load_holds_its_shards_and_a_bounded_buffer(tmp_path):
+    result = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "w.safetensors")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # the shards (the array, on CPU devices in this process) plus at most half of it in flight
+    assert float(result.stdout.strip()) <= 1.5, result.stdout
