@@ -88,6 +88,20 @@ def test_manager_root_lists_steps_and_items_and_takes_step(cli, manager_root):
     assert_clean_error(cli("show", manager_root, "--step", "15"), "no committed step 15")
 
 
+def test_diff_names_each_side_s_step(cli, manager_root, tmp_path):
+    same = cli("diff", manager_root, manager_root, "--step-a", "10", "--step-b", "10", "--json")
+    assert same.code == 0 and same.json["equal"], same.stderr
+    apart = cli("diff", manager_root, manager_root, "--step-a", "10", "--step-b", "20", "--json")
+    assert apart.code == 1, apart.stderr
+    changed = {c["keypath"] for c in apart.json["changed"]}
+    assert "meta.step" in changed and "state.params.dense.kernel" in changed  # train_state(10) vs (20)
+    assert cli("diff", manager_root, manager_root, "--step", "20").code == 0  # --step: both sides
+    latest = cli("diff", manager_root, manager_root, "--step-a", "20")  # B: its latest, 20
+    assert latest.code == 0, latest.stderr
+    assert_clean_error(cli("diff", manager_root, manager_root, "--step", "10", "--step-b", "20"), "not both")
+    assert_clean_error(cli("diff", manager_root, manager_root, "--step-b", "15"), "no committed step 15")
+
+
 def test_unfinished_steps_are_ignored_with_a_note(cli, manager_root, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(manager_root, root)

@@ -21,7 +21,12 @@ def diff(
     atol: Annotated[Optional[float], typer.Option("--atol", help="Compare numerically with this absolute "
                                                   "tolerance (default: exact bytes).", show_default=False)] = None,
     where: opt.WhereOpt = None,
-    step: opt.StepOpt = None,
+    step: Annotated[Optional[int], typer.Option("--step", help="Step of both CheckpointManager roots (default: "
+                                               "each one's latest).", show_default=False)] = None,
+    step_a: Annotated[Optional[int], typer.Option("--step-a", help="Step of A, a CheckpointManager root.",
+                                                 show_default=False)] = None,
+    step_b: Annotated[Optional[int], typer.Option("--step-b", help="Step of B, a CheckpointManager root.",
+                                                 show_default=False)] = None,
     like: opt.LikeOpt = None,
     by_layer: Annotated[bool, typer.Option("--by-layer", help="One row per layer and kind of module "
                                            "(attention, MLP, norms): the relative change ‖b − a‖ / ‖a‖, as a bar.")
@@ -48,19 +53,24 @@ def diff(
         treecli diff model.safetensors converted_dir
         treecli diff run1/100 run2/100 --atol 1e-6 --where 'state.params.**'
         treecli diff run1 run2 --step 300 --where 'state.params.**'
+        treecli diff run1 run1 --step-a 300 --step-b 400      # two steps of one run
     """
     from treecli import _cluster, _diff
 
     from treecli._errors import UsageError
 
     out = Output(quiet=quiet)
+    if step is not None and (step_a is not None or step_b is not None):
+        raise UsageError("--step names both sides' step; give it, or --step-a and --step-b, not both")
+    steps = (step if step_a is None else step_a, step if step_b is None else step_b)
     if plot is not None and not by_layer:
         raise UsageError("--plot draws --by-layer's changes; add --by-layer")
     if by_layer:
-        return _by_layer(out, a, b, step, like, layer_pattern, json, plot)
+        return _by_layer(out, a, b, steps, like, layer_pattern, json, plot)
     cluster = _cluster.current()  # several processes: each compares its share of the leaves
     part = (cluster.process_id, cluster.count) if cluster else (0, 1)
-    with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
+    with open_input(out, a, step=steps[0], like=like) as left, \
+            open_input(out, b, step=steps[1], like=like) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance,
@@ -92,7 +102,7 @@ def _print(out: Output, result, json: bool) -> None:
         out.lines(_render.table(["key path", "a / b", "", "max abs diff", "max rel diff"], rows, {3, 4}))
 
 
-def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None, json: bool,
+def _by_layer(out: Output, a: str, b: str, steps: tuple, like, layer_pattern: str | None, json: bool,
               plot: str | None) -> int:
     from treecli import _layers, _render
 
@@ -100,7 +110,8 @@ def _by_layer(out: Output, a: str, b: str, step, like, layer_pattern: str | None
         from treecli.cli._plot import check_target
 
         check_target(plot)  # (before reading a byte of the checkpoints)
-    with open_input(out, a, step=step, like=like) as left, open_input(out, b, step=step, like=like) as right:
+    with open_input(out, a, step=steps[0], like=like) as left, \
+            open_input(out, b, step=steps[1], like=like) as right:
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             report = _layers.by_layer(left.tree, right.tree, layer_pattern=layer_pattern, progress=advance)
