@@ -53,7 +53,7 @@ def diff(
         treecli diff model.safetensors converted_dir
         treecli diff run1/100 run2/100 --atol 1e-6 --where 'state.params.**'
         treecli diff run1 run2 --step 300 --where 'state.params.**'
-        treecli diff run1 run1 --step-a 300 --step-b 400      # two steps of one run
+        treecli diff run1 run1 --step-a 200 --step-b 300
     """
     from treecli import _cluster, _diff
 
