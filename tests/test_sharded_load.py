@@ -187,9 +187,7 @@ import os, resource, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np, treecli
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from safetensors.numpy import save_file
 
-save_file({"w": np.ones((8192, 8192), np.float32)}, sys.argv[1])  # 256 MiB
 mesh = Mesh(np.array(jax.devices()), ("x",))
 like = {"w": jax.ShapeDtypeStruct((8192, 8192), np.float32, sharding=NamedSharding(mesh, P("x")))}
 jax.device_put(np.zeros(1), jax.devices()[0]).block_until_ready()
@@ -203,6 +201,11 @@ print(f"{(peak - start) / (256 << 20):.2f}")
 
 
 def test_a_sharded_load_holds_its_shards_and_a_bounded_buffer(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones((8192, 8192), np.float32)}, str(tmp_path / "w.safetensors"))  # 256 MiB, written here:
+    # the loading process's peak is its own (ru_maxrss never goes down)
     result = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "w.safetensors")], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
