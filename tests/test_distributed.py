@@ -138,46 +138,53 @@ def test_diff_on_three_processes_says_what_one_says(models):
     assert [r.returncode for r in same] == [0, 0]
 
 
-def test_a_failing_process_publishes_nothing_and_each_says_one_line(models, tmp_path):
-    broken = tmp_path / "broken.safetensors"  # the same header, its data cut short: read fails in process 1's share
-    data = models[2].read_bytes()
-    broken.write_bytes(data[: len(data) - 4096])
+def test_processes_that_run_other_commands_or_inputs_stop_before_any_work(models, tmp_path):
+    """Two runs on one address pair up, or one process was given other inputs: each says so
+    in one line, before reading a byte; nothing is written."""
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(models[2].read_bytes())  # the same bytes, another file
     out = tmp_path / "out.safetensors"
-    results = launch(2, "average", *models, "-o", out,
-                     each={1: ["average", models[0], models[1], broken, "-o", out]})
-    assert [r.returncode for r in results] == [2, 2], [r.stderr for r in results]
-    lines = [r.stderr.strip().splitlines() for r in results]
-    assert all(len(said) == 1 and said[0].startswith("treecli: error: ") for said in lines), lines
-    assert "broken.safetensors" in lines[1][0]  # its own error, naming its input
-    assert "1 of 2 processes failed (process 1: " in lines[0][0] and "nothing was published" in lines[0][0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.safetensors"]  # no output, no temporary
+    for each in ({1: ["average", models[0], models[1], other, "-o", out]},  # another input
+                 {1: ["average", *models, "--weights", "1,2,3", "-o", out]}):  # another command
+        results = launch(2, "average", *models, "-o", out, each=each)
+        assert [r.returncode for r in results] == [2, 2], [r.stderr for r in results]
+        for i, r in enumerate(results):
+            said = r.stderr.strip().splitlines()
+            assert len(said) == 1 and said[0].startswith(f"treecli: error: process {i}: process {1 - i} runs "
+                                                         "another command, or on other inputs"), said
+            assert "are two runs on one address?" in said[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors"]  # no output, no temporary
+    touched = launch(2, "average", *models, "-o", out, each={1: ["average", *models, "-o", out]})
+    assert [r.returncode for r in touched] == [0, 0]  # the same command and inputs: one run
 
 
 def test_a_process_failing_while_writing_its_share_stops_them_all(tmp_path):
-    """Process 1's input opens as well as process 0's (a deflated npz: its directory is
-    sound), but its data is corrupt: found only when it reads its share, after the output
-    exists as a temporary. Every process stops; the temporary goes."""
+    """The input opens (a deflated npz: its directory is sound), but the data of a leaf only
+    process 1's share of the output reads is corrupt: found only when it reads it, after the
+    output exists as a temporary. Every process stops; the temporary goes."""
     import treecli
 
     treecli.save(model(0), tmp_path / "plain.npz")
-    for name, corrupt in (("good.npz", False), ("bad.npz", True)):
-        with zipfile.ZipFile(tmp_path / "plain.npz") as plain, \
-                zipfile.ZipFile(tmp_path / name, "w", zipfile.ZIP_DEFLATED) as deflated:
-            for member in plain.namelist():
-                deflated.writestr(member, plain.read(member))
-        if corrupt:  # bytes early in the first member's deflate stream
-            data = bytearray((tmp_path / name).read_bytes())
-            data[200:400] = bytes(200)
-            (tmp_path / name).write_bytes(bytes(data))
+    with zipfile.ZipFile(tmp_path / "plain.npz") as plain, \
+            zipfile.ZipFile(tmp_path / "bad.npz", "w", zipfile.ZIP_DEFLATED) as deflated:
+        for member in plain.namelist():
+            deflated.writestr(member, plain.read(member))
+    with zipfile.ZipFile(tmp_path / "bad.npz") as z:  # layers.1.w: past the first half of the output's bytes
+        info = z.getinfo("layers.1.w.npy")
+    data = bytearray((tmp_path / "bad.npz").read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    middle = start + info.compress_size // 2  # (past the .npy header, which opening reads)
+    data[middle:middle + 200] = bytes(200)
+    (tmp_path / "bad.npz").write_bytes(bytes(data))
     (tmp_path / "plain.npz").unlink()
     out = tmp_path / "out.safetensors"
-    results = launch(2, "convert", tmp_path / "good.npz", out, each={1: ["convert", tmp_path / "bad.npz", out]})
+    results = launch(2, "convert", tmp_path / "bad.npz", out)
     assert [r.returncode for r in results] == [2, 2], [r.stderr for r in results]
     for r in results:
         said = r.stderr.strip().splitlines()
         assert len(said) == 1 and "1 of 2 processes failed (process 1: " in said[0], said
         assert "bad.npz" in said[0] and "nothing was published" in said[0], said
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "good.npz"]  # no output, no temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz"]  # no output, no temporary
 
 
 def test_formats_written_alone_are_refused_with_the_way_out(models, tmp_path):
@@ -264,3 +271,86 @@ def test_incomplete_options_are_one_line():
     result = alone("--coordinator", "127.0.0.1:1", "show", "x.safetensors")
     assert result.returncode == 2
     assert "missing: --num-processes, --process-id" in result.stderr and "Traceback" not in result.stderr
+
+
+def _one(process: int, count: int, port: int, *args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "treecli", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                             str(count), "--process-id", str(process), *map(str, args)], env={**ENV, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_peer_that_never_starts_is_one_line_within_the_join_deadline(models, tmp_path, process):
+    import time
+
+    port = free_port()
+    started = time.monotonic()
+    alone_ = _one(process, 2, port, "--join-timeout", "3", "average", *models, "-o", tmp_path / "o.safetensors")
+    out, err = alone_.communicate(timeout=60)
+    assert time.monotonic() - started < 30
+    assert alone_.returncode == 2, err
+    said = err.strip().splitlines()
+    assert len(said) == 1, said  # no C++ trace
+    assert said[0].startswith(f"treecli: error: process {process} of 2 (coordinator 127.0.0.1:{port}): "), said
+    assert "could not join the run within 3 s" in said[0] and not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_ends_a_process_waiting_to_join_at_once(models, tmp_path):
+    import signal
+    import time
+
+    waiting = _one(1, 2, free_port(), "average", *models, "-o", tmp_path / "o.safetensors")
+    time.sleep(3)  # (joining: deaf to signals inside the runtime)
+    sent = time.monotonic()
+    waiting.send_signal(signal.SIGINT)
+    out, err = waiting.communicate(timeout=30)
+    assert time.monotonic() - sent < 5
+    assert waiting.returncode == 130 and err.strip().splitlines() == ["treecli: interrupted"], err
+
+
+def test_a_coordinator_address_no_socket_can_have_is_one_line(models, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "treecli", "--coordinator", "127.0.0.1:99999", "--num-processes",
+                             "2", "--process-id", "1", "show", models[0]], env=ENV, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "treecli: error: --coordinator '127.0.0.1:99999': write HOST:PORT, the port 1 to 65535"], result.stderr
+
+
+SLOW_TEMPLATE = '''
+import os, time
+def make():
+    if os.environ.get("SLOW_TEMPLATE"):
+        time.sleep(120)
+    import numpy as np
+    return {"w": np.zeros((64, 64), np.float32)}
+'''
+
+
+def test_a_peer_killed_mid_run_stops_the_others_in_one_line(tmp_path):
+    import signal
+    import time
+
+    import treecli
+
+    treecli.save({"w": np.ones((64, 64), np.float32)}, tmp_path / "m.safetensors")
+    (tmp_path / "slowtemplate.py").write_text(SLOW_TEMPLATE)
+    port = free_port()
+    args = ["average", tmp_path / "m.safetensors", tmp_path / "m.safetensors", "--like", "slowtemplate:make", "-o",
+            tmp_path / "o.safetensors"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    first = _one(0, 2, port, *args, env=env)
+    second = _one(1, 2, port, *args, env={**env, "SLOW_TEMPLATE": "1"})
+    time.sleep(8)  # both joined; process 1 builds its template
+    second.send_signal(signal.SIGKILL)
+    second.communicate(timeout=30)
+    started = time.monotonic()
+    out, err = first.communicate(timeout=120)
+    assert time.monotonic() - started < 90
+    said = err.strip().splitlines()
+    assert first.returncode == 2 and len(said) == 1, said
+    assert said[0].startswith(f"treecli: error: process 0 of 2 (coordinator 127.0.0.1:{port}): the run broke"), said
+    # nothing published; the runtime ends the process where it stands, as a kill would: only a
+    # temporary of treecli's own may remain, which the next write there removes
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("m.safetensors", "slowtemplate.py",
+                                                                         "__pycache__"))
+    assert all(name.startswith(".treecli-tmp-") for name in left), left

@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from treecli._errors import TreecliError, UsageError
 
 # How long a process waits for the others at one step: the slowest one's share of the
 # reading and writing, on a busy cluster.
 BARRIER_SECONDS = float(os.environ.get("TREECLI_BARRIER_SECONDS", 3600))
+# How long a process waits for all the others to join, unless --join-timeout says.
+JOIN_SECONDS = 30.0
+# After this long without a heartbeat the runtime stops the others (JAX's default: 100 s).
+HEARTBEAT_SECONDS = 20
 
 
 class ClusterFailure(TreecliError):
@@ -79,6 +84,28 @@ class Cluster:
             time.sleep(pause)
             pause = min(0.05, pause * 2)  # the coordinator is asked often at first, then every 50 ms
 
+    def check_same(self, fingerprint: str, timeout: float, coordinator: str) -> None:
+        """Show the others this process's command, and see theirs, before any work.
+
+        Raises:
+            ClusterFailure: one runs another command or on other inputs (two runs on one
+                address pair up), or they did not all say theirs within ``timeout``.
+        """
+        self.client.key_value_set(f"treecli/command/{self.process_id}", fingerprint)
+        deadline = time.monotonic() + timeout
+        while True:
+            said = dict(self.client.key_value_dir_get("treecli/command/"))
+            if len(said) >= self.count:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterFailure(f"process {self.process_id}: the other processes did not all start their "
+                                     f"command within {timeout:g} s (coordinator {coordinator})")
+            time.sleep(0.01)
+        others = sorted(int(key.rsplit("/", 1)[1]) for key, value in said.items() if value != fingerprint)
+        if others:
+            raise ClusterFailure(f"process {self.process_id}: process {others[0]} runs another command, or on other "
+                                 f"inputs (coordinator {coordinator}): are two runs on one address? nothing was done")
+
     def fail(self, line: str) -> None:
         """Tell every process that this one failed (its one line): none of them goes on."""
         self.client.key_value_set(f"treecli/failed/{self.process_id}", line, allow_overwrite=True)
@@ -98,12 +125,17 @@ def current() -> Cluster | None:
     return _current
 
 
-def start(coordinator: str | None, num_processes: int | None, process_id: int | None, detect: bool) -> None:
-    """Join the run the options (or ``TREECLI_*`` variables) name, or the one JAX detects.
+def start(coordinator: str | None, num_processes: int | None, process_id: int | None, detect: bool, *,
+          join_timeout: float | None = None, command: list[str] = (), on_joined=lambda: None) -> None:
+    """Join the run the options (or ``TREECLI_*`` variables) name, or the one JAX detects,
+    within ``join_timeout`` seconds; then every process shows the others its ``command``
+    (the arguments, with each local input's identity) before any work, and a run whose
+    processes do not all run the same command on the same inputs stops.
 
     Raises:
         UsageError: some of the three are given without the others, or bad values.
-        TreecliError: the runtime could not start (the coordinator unreachable).
+        TreecliError: the runtime could not start (the coordinator unreachable); another
+            process runs another command.
     """
     global _current
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
@@ -115,16 +147,53 @@ def start(coordinator: str | None, num_processes: int | None, process_id: int | 
                          f"(or --distributed); missing: {', '.join(missing)}")
     if num_processes is not None and (num_processes < 1 or not 0 <= (process_id or 0) < num_processes):
         raise UsageError(f"--process-id {process_id} is not one of 0..{num_processes - 1}")
+    if coordinator is not None:
+        _check_address(coordinator)
+    timeout = JOIN_SECONDS if join_timeout is None else join_timeout
+    if not 0 < timeout <= 86400:
+        raise UsageError(f"--join-timeout {timeout:g}: give seconds, more than 0 and at most a day")
     import jax
     from jax._src import distributed  # the runtime's client: its key-value store and barriers
 
     try:
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=max(1, math.ceil(timeout)),
+                                   heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
     except Exception as e:
-        raise TreecliError(f"JAX's distributed runtime did not start: {str(e).splitlines()[0][:300]}") from None
+        raise TreecliError(f"process {process_id} could not join the run at {coordinator}: "
+                           f"{str(e).splitlines()[0][:300]}") from None
+    on_joined()
     count = jax.process_count()
     if count > 1:
         _current = Cluster(jax.process_index(), count, distributed.global_state.client)
+        _current.check_same(_fingerprint(command), timeout, coordinator or "the coordinator JAX found")
+
+
+def _check_address(coordinator: str) -> None:
+    """``HOST:PORT`` with a port a socket can have, before the runtime is asked (it aborts)."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator {coordinator!r}: write HOST:PORT, the port 1 to 65535")
+
+
+def _fingerprint(command: Sequence[str]) -> str:
+    """What every process of one run must share: its arguments (less its own process id),
+    and each local file or directory they name, by real path, size and time of change."""
+    import hashlib
+
+    words, skip = [], False
+    for word in command:
+        if skip:
+            skip = False
+        elif word == "--process-id":
+            skip = True
+        elif not word.startswith("--process-id="):
+            words.append(word)
+            with contextlib.suppress(OSError, ValueError):
+                if os.path.exists(word):
+                    info = os.stat(word)
+                    words.append(f"{os.path.realpath(word)}:{info.st_size}:{info.st_mtime_ns}")
+    return hashlib.sha256("\0".join(words).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def failed(line: str) -> None:

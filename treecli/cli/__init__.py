@@ -49,9 +49,11 @@ def _print_version(value: bool) -> None:
 
 
 class _Session:
-    """What the root options said, for the error boundary (reset by every ``main``)."""
+    """What the root options said, for the error boundary (reset by every ``main``), and
+    the arguments, which the processes of a run compare."""
 
     debug = False
+    args: list[str] = []
 
 
 @app.callback()
@@ -69,12 +71,25 @@ def _root(
                                              help="This process's number, 0 to --num-processes - 1."),
     distributed: bool = typer.Option(False, "--distributed", help="Run as one of the processes JAX finds "
                                      "(SLURM, a TPU pod, MPI), as jax.distributed.initialize() does."),
+    join_timeout: Optional[float] = typer.Option(
+        None, "--join-timeout", envvar="TREECLI_JOIN_TIMEOUT", metavar="SECONDS", show_default=False,
+        help="How long a process of several waits for all of them to join (default 30)."),
 ) -> None:
     """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, diff, convert,
     get."""
     _Session.debug = debug
     if distributed or coordinator is not None or num_processes is not None or process_id is not None:
-        _cluster.start(coordinator, num_processes, process_id, detect=distributed)
+        _cluster.start(coordinator, num_processes, process_id, detect=distributed, join_timeout=join_timeout,
+                       command=_Session.args, on_joined=_say_joined)
+
+
+def _say_joined() -> None:
+    """Tell the watching parent (``_supervise``) that this process joined its run."""
+    from treecli.cli import _supervise
+
+    if os.environ.get(_supervise.CHILD):
+        sys.stderr.write(_supervise.JOINED + "\n")
+        sys.stderr.flush()
 
 
 app.command()(show)
@@ -87,7 +102,7 @@ app.command()(convert)
 app.command()(get)
 
 
-_ROOT_OPTIONS_WITH_VALUES = ("--coordinator", "--num-processes", "--process-id")
+_ROOT_OPTIONS_WITH_VALUES = ("--coordinator", "--num-processes", "--process-id", "--join-timeout")
 
 
 def _app_for(args: list[str]) -> typer.Typer:
@@ -117,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; map every error to one line on stderr and an :class:`ExitStatus`."""
     args = sys.argv[1:] if argv is None else list(argv)
     _Session.debug = False
+    _Session.args = args
     if not args:  # bare `treecli`: the help, as `treecli --help` prints it
         args = ["--help"]
     # A command runs once and exits: Python's cyclic collector would only walk the
@@ -269,6 +285,10 @@ def run() -> None:
     header. Every output is fsynced and closed by the time ``main`` returns, and no treecli
     thread outlives it; stdout and stderr are flushed here.
     """
+    from treecli.cli import _supervise
+
+    if _supervise.needed(sys.argv[1:], dict(os.environ)):  # one process of several: watched from a parent
+        os._exit(_supervise.run(sys.argv[1:]))
     gc.disable()
     _gc.exit_without_freeing()
     code = main()
