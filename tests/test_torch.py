@@ -424,3 +424,18 @@ def test_a_storage_stored_twice_or_past_the_end_of_the_zip_is_refused(tmp_path, 
         torch.load(tmp_path / "short.pt", weights_only=True)
     result = cli("show", tmp_path / "short.pt")
     assert_clean_error(result, "storage '0' runs past the end of the zip")
+
+
+def test_views_read_by_parts_and_an_expand_claiming_2_40_elements_shows(tmp_path, cli):
+    base = torch.arange(24.0).reshape(4, 6)
+    views = {"t": base.t(), "strided": torch.arange(10.0)[::3], "row": torch.arange(3.0).expand(2, 3),
+             "huge": torch.ones(1).expand(2**20, 2**20)}
+    torch.save(views, tmp_path / "views.pt")
+    got = leaves(treecli.load(tmp_path / "views.pt"))
+    for name in ("t", "strided", "row"):
+        assert np.asarray(got[name]).tobytes() == views[name].contiguous().numpy().tobytes(), name
+        flat = views[name].contiguous().numpy().reshape(-1)
+        assert got[name].read_flat(1, flat.size - 1).tobytes() == flat[1:-1].tobytes(), name
+    shown = cli("get", tmp_path / "views.pt", "huge")
+    assert shown.code == 0 and shown.stdout.startswith("huge  [1048576, 1048576] float32"), shown.stderr
+    assert np.asarray(got["huge"][5, 10:12]).tolist() == [1.0, 1.0]

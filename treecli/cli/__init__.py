@@ -218,6 +218,11 @@ def _run_app(args: list[str]) -> int:
         return ExitStatus.ERROR
     except (BrokenPipeError, OutputClosed):  # `treecli show big | head`: diff keeps its verdict itself
         return ExitStatus.OK
+    except MemoryError as e:  # (what a command checks before it allocates is its own line; this is the rest)
+        if _Session.debug:
+            raise
+        _print_error(f"not enough memory for this command: {e or 'an allocation failed'}", json="--json" in args)
+        return ExitStatus.ERROR
     except Exception as e:
         if _Session.debug:
             raise

@@ -561,24 +561,44 @@ def _c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-class _StridedLeaf(_leaf.WholeLeaf):
+class _StridedLeaf(_leaf.ArrayLeaf):
     """A view with other strides than C order's (a transpose, a strided slice, an expand):
-    the span of storage it covers is read once, then laid out in C order."""
+    the span of storage it covers is read once and kept while its chunks are served,
+    each chunk (or index) taken from the view of it, never the whole leaf laid out at once
+    (an ``expand`` of one element may claim 2**40)."""
+
+    reads_parts = True
 
     def __init__(self, reader: Any, start: int, shape: tuple[int, ...], stride: tuple[int, ...],
                  dtype_name: str, span: int):
         self._reader, self._start, self._stride, self._span = reader, start, stride, span
         self.shape = shape
         self.dtype_name = dtype_name
+        self._base = None  # the span, kept from a chunk to the next until the last
 
     @property
     def sources(self) -> tuple[str, ...]:
         return (self._reader.path,)
 
-    def load(self):
+    def _view(self):
         import numpy as np
 
-        base = np.empty(self._span, self.dtype)
-        self._reader.read_into(base, self._start)
+        base = self._base
+        if base is None:
+            base = np.empty(self._span, self.dtype)
+            self._reader.read_into(base, self._start)
         strides = tuple(s * self.itemsize for s in self._stride)
-        return np.lib.stride_tricks.as_strided(base, self.shape, strides).copy(order="C").reshape(-1)
+        return base, np.lib.stride_tricks.as_strided(base, self.shape, strides, writeable=False)
+
+    def read_flat(self, start: int, stop: int):
+        import numpy as np
+
+        base, view = self._view()
+        self._base = None if stop >= self.size else base
+        places = np.unravel_index(np.arange(start, stop, dtype=np.int64), self.shape)
+        return view[places] if self.shape else view.reshape(-1)[start:stop].copy()
+
+    def read(self, index: Any = ()):
+        import numpy as np
+
+        return np.array(_leaf._index_array(self._view()[1], index), copy=True)
