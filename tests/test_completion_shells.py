@@ -85,3 +85,28 @@ def test_install_completion_for_zsh_writes_the_script_that_completes_the_first_t
     assert installed.strip() == (ROOT / "completions" / "_treecli").read_text().strip()
     assert '"${funcstack[1]}" == "_treecli"' in installed
     assert "compinit" in (tmp_path / ".zshrc").read_text()
+
+
+def test_bash_completes_a_dtype_after_an_unquoted_equals_sign(tmp_path, kill_tmux):
+    """bash splits `--cast KEY=bf` at `=` (COMP_WORDBREAKS) and replaces only `bf`."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    command, setup = SHELLS["bash"]
+    name = _tmux_session(tmp_path, command)
+    kill_tmux.append(name)
+    _type(name, setup, "Enter")
+    _type(name, "clear", "Enter")
+    _type(name, "treecli edit examples/tiny.safetensors --cast model.norm.weight=bfl", "Tab")
+    screen = _screen_until(name, "--cast model.norm.weight=bfloat16")
+    assert "--cast model.norm.weight=bfloat16" in screen, screen
+    assert "model.norm.weight=model.norm.weight" not in screen
+
+
+def test_words_bash_split_at_an_equals_sign_are_rejoined():
+    from treecli.cli._complete import rejoined_at_equals
+
+    words = ["treecli", "edit", "x", "--cast", "k.w", "=", "bf"]
+    assert rejoined_at_equals(words, 6) == (["treecli", "edit", "x", "--cast", "k.w=bf"], 4, "k.w=")
+    assert rejoined_at_equals(words[:6], 5) == (["treecli", "edit", "x", "--cast", "k.w="], 4, "k.w=")
+    assert rejoined_at_equals(words[:6] + [""], 6) == (["treecli", "edit", "x", "--cast", "k.w="], 4, "k.w=")
+    assert rejoined_at_equals(["treecli", "show", "x"], 2) == (["treecli", "show", "x"], 2, "")

@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     if args[0] in ("--show-completion", "--install-completion"):
         return _completion(args)
+    if os.environ.get("_TREECLI_COMPLETE") == "complete_bash":
+        return _bash_completion(args)
     with _gc.paused(), _terminating_signals_raise(), _warnings_as_lines():
         try:
             return _run_app(args)
@@ -169,6 +171,31 @@ def _completion(args: list[str]) -> int:
     sys.stdout.write(fixed_zsh_script(shown.getvalue()) if args[0] == "--show-completion" else shown.getvalue())
     if args[0] == "--install-completion":
         fix_installed_zsh_script(Path.home() / ".zfunc" / "_treecli")
+    return code
+
+
+def _bash_completion(args: list[str]) -> int:
+    """Typer's bash completion, with the word bash split at ``=`` put back together: for
+    ``--cast KEY=bf`` bash passes ``KEY``, ``=``, ``bf`` (``=`` is one of its
+    COMP_WORDBREAKS) and replaces only ``bf``; so the completions go without ``KEY=``."""
+    import io
+    import shlex
+
+    from treecli.cli._complete import rejoined_at_equals
+
+    try:
+        words, cword = shlex.split(os.environ.get("COMP_WORDS", "")), int(os.environ.get("COMP_CWORD", "0"))
+    except ValueError:  # an unclosed quote: as Typer would take it
+        return _run_app(args)
+    words, cword, before = rejoined_at_equals(words, cword)
+    if not before:
+        return _run_app(args)
+    os.environ["COMP_WORDS"], os.environ["COMP_CWORD"] = shlex.join(words), str(cword)
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        code = _run_app(args)
+    for line in shown.getvalue().splitlines():
+        sys.stdout.write((line[len(before):] if line.startswith(before) else line) + "\n")
     return code
 
 

@@ -120,3 +120,19 @@ def fix_installed_zsh_script(path: Path) -> None:
     """After Typer's --install-completion for zsh: the same fix in the file it wrote."""
     if path.is_file():
         path.write_text(fixed_zsh_script(path.read_text()))
+
+
+def rejoined_at_equals(words: list[str], cword: int) -> tuple[list[str], int, str]:
+    """bash's words with a ``KEY = VALUE`` it split at ``=`` joined back into the word being
+    completed (``KEY=VALUE``); the new index of that word; and what bash keeps before the
+    part it replaces (``KEY=``; ``""`` where nothing was split)."""
+    if 1 <= cword < len(words) and words[cword] == "=":  # `KEY=` and TAB: the word is the `=`
+        before = words[cword - 1] + "="
+        return words[:cword - 1] + [before] + words[cword + 1:], cword - 1, before
+    if 2 <= cword < len(words) and words[cword - 1] == "=":  # `KEY=bf` and TAB
+        before = words[cword - 2] + "="
+        return words[:cword - 2] + [before + words[cword]] + words[cword + 1:], cword - 2, before
+    if 2 <= cword == len(words) and words[cword - 1] == "=":  # `KEY=` then TAB, no word after it
+        before = words[cword - 2] + "="
+        return words[:cword - 2] + [before], cword - 2, before
+    return words, cword, ""
