@@ -255,7 +255,7 @@ def test_a_big_endian_gguf_reads_as_gguf_py_reads_it(cli, tmp_path):
     assert cli("diff", path, tmp_path / "le.safetensors", "--where", "w", "--where", "ids").code == 0
 
 
-@pytest.mark.parametrize("kind", [Q.Q8_1, Q.Q8_K])
+@pytest.mark.parametrize("kind", [Q.Q8_1, Q.Q8_K, Q.Q1_0])
 def test_blocks_gguf_does_not_dequantize_are_one_line_and_copy_as_they_are(cli, tmp_path, kind):
     path = tmp_path / "q.gguf"
     block, size = GGML_QUANT_SIZES[kind]
