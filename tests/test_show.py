@@ -14,7 +14,8 @@ def test_show_prints_the_nested_tree_in_natural_order_with_totals(cli, mixed_fil
     result = cli("show", path)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"{path}  safetensors · 13 arrays")
+    assert lines[0].startswith(f"{path}  safetensors, 13 arrays")
+    assert result.stdout.isascii()  # piped: plain ASCII
     names = [line.split()[0] for line in lines if line.startswith("    ") and line.split()[0].isdigit()]
     assert names == ["0", "1", "10"]  # natural order: 2 before 10
     row = next(line for line in lines if line.strip().startswith("weight") and "[10, 4]" in line)

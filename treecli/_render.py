@@ -340,10 +340,12 @@ def metadata_lines(metadata: dict[str, Any], width: int | None = None) -> Iterab
     return table(["metadata", "value"], rows)
 
 
-def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]]) -> Line:
+def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]],
+             separator: str = " · ") -> Line:
+    """The file, then its format and totals, ``separator`` between them (piped: ASCII)."""
     arrays = sum(count for _, count, _, _ in totals)
-    return [(quote(file), "bold"), (f"  {fmt} · {counted(arrays, 'array')} · {human_count(root.params)} params · "
-                             f"{human_bytes(root.nbytes)}", "")]
+    facts = [fmt, counted(arrays, "array"), f"{human_count(root.params)} params", human_bytes(root.nbytes)]
+    return [(quote(file), "bold"), ("  " + separator.join(facts), "")]
 
 
 def info_lines(info: dict[str, Any]) -> Iterable[Line]:
@@ -371,12 +373,13 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
                width: int | None = None) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
-    head = headline(file, fmt, root, totals)
+    separator = ", " if plain else " · "
+    head = headline(file, fmt, root, totals, separator)
     if width and sum(len(text) for text, _ in head) > width:  # the file on a line, the totals below it
-        totals_text = head[1][0].strip().split(" · ")
+        totals_text = head[1][0].strip().split(separator)
         name = head[0][0]  # a name longer than the line goes on over the next ones, never cropped
         head_lines = [[(name[i:i + width], "bold")] for i in range(0, len(name), width)]
-        head_lines += [[(line, "")] for line in _joined_to_fit(totals_text, " · ", width)]
+        head_lines += [[(line, "")] for line in _joined_to_fit(totals_text, separator, width)]
     else:
         head_lines = [head]
     parts: list[Iterable[Line]] = [head_lines, info_lines(info), [[]]]
