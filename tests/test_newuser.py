@@ -394,3 +394,22 @@ def test_an_error_line_is_bounded_whatever_built_it(tmp_path):
     with contextlib.redirect_stderr(err):
         _print_error("x" * 10_000_000, ["y" * 10_000])
     assert len(err.getvalue()) < 5000 and "characters) ..." in err.getvalue()
+
+
+def test_the_cli_says_the_api_s_words_with_the_file_first(tmp_path):
+    import treecli
+
+    src = tmp_path / "m.safetensors"
+    save_file({"model.w": np.ones((2, 3), np.float32), "model.b": np.ones(3, np.float32)}, str(src))
+    cases = [(lambda: treecli.slice_tree(treecli.load(src), ["model.w=5"]),
+              ["slice", src, "--index", "model.w=5", "-o", tmp_path / "s.safetensors"]),
+             (lambda: treecli.diff(treecli.load(src), treecli.load(src), where=["model.x"]),
+              ["diff", src, src, "--where", "model.x"])]
+    for api, cli_args in cases:
+        with pytest.raises(treecli.TreecliError) as info:
+            api()
+        result = run_cli(*cli_args)
+        assert_clean_error(result)
+        line = result.stderr.splitlines()[0]
+        assert line.startswith(f"treecli: error: {src}: "), line  # FILE: KEYPATH: what
+        assert line.endswith(str(info.value).split(": ", 1)[1]), (line, str(info.value))

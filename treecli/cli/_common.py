@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from treecli._errors import KeyPathError, UsageError, counted
+from treecli._errors import KeyPathError, TreecliError, UsageError, counted
 from treecli.cli._output import Output
 from treecli.formats import WriteOptions, open_checkpoint, save
 from treecli.formats._base import Checkpoint
@@ -33,12 +33,13 @@ def open_input(out: Output, path: str | Path, format: str | None = None, step: i
 
 @contextlib.contextmanager
 def about(path: str | Path) -> Iterator[None]:
-    """Errors about key paths raised in this block name ``path``, the one input of the
-    command they can be about: ``FILE: KEYPATH: what`` (the library knows only the tree)."""
+    """Errors about key paths raised in this block (a pattern that matches nothing, an index
+    that does not fit a leaf) name ``path``, the input they are about: ``FILE: KEYPATH:
+    what`` (the library, given a tree, knows no file: its words are the rest of the line)."""
     try:
         yield
-    except KeyPathError as e:
-        raise e.with_file(str(path))
+    except TreecliError as e:
+        raise e.with_file(str(path)) if isinstance(e, KeyPathError) or e.keypath else e
 
 
 @functools.lru_cache(maxsize=None)  # `average a.eqx b.eqx --like ...` builds it once

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input
+from treecli.cli._common import about, open_input
 from treecli.cli._output import Output, OutputClosed
 from treecli.cli._status import ExitStatus
 
@@ -70,7 +70,7 @@ def diff(
     cluster = _cluster.current()  # several processes: each compares its share of the leaves
     part = (cluster.process_id, cluster.count) if cluster else (0, 1)
     with open_input(out, a, step=steps[0], like=like) as left, \
-            open_input(out, b, step=steps[1], like=like) as right:
+            open_input(out, b, step=steps[1], like=like) as right, about(a):  # (--where is looked for in A first)
         total = sum(getattr(leaf, "nbytes", 0) for leaf in _leaves(left.tree))
         with out.progress("comparing", total * 2) as advance:
             result = _diff.diff(left.tree, right.tree, rtol=rtol, atol=atol, where=where or [], progress=advance,
