@@ -183,7 +183,7 @@ def test_typed_key_leaves_take_their_template_s_sharding_and_misfits_name_the_le
 
 
 PEAK = r"""
-import os, resource, sys
+import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np, treecli
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -194,7 +194,8 @@ jax.device_put(np.zeros(1), jax.devices()[0]).block_until_ready()
 start = int(open("/proc/self/statm").read().split()[1]) * 4096
 tree = treecli.load(sys.argv[1], like=like)
 tree["w"].block_until_ready()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# (the peak of this process's own memory: ru_maxrss would carry over a big parent's, through fork and exec)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
 assert float(np.asarray(tree["w"][4096, 7])) == 1.0
 print(f"{(peak - start) / (256 << 20):.2f}")
 """
