@@ -5,10 +5,11 @@ Each float leaf present in both, of one shape, adds to its row ``‖a‖²`` and
 ``‖b − a‖²`` (in float64, chunk by chunk; a leaf whose dtypes differ, a model against
 its bf16 cast, is read in the dtype holding both); a row's relative change is
 ``‖b − a‖ / ‖a‖``. Rows are per layer and per kind of module inside it (attention,
-MLP, norms, other), and each layer's total over its kinds. A leaf's layer is the number after ``layers``, ``blocks``, ``h`` or
-``layer`` in its key path (``model.layers.12.mlp.up_proj.weight`` is layer 12), or
-what the first group of ``layer_pattern`` (a regular expression searched in the key
-path's text) captures; leaves outside every layer (embeddings, the head) are one row.
+MLP, norms, other), and each layer's total over its kinds. A leaf's layer is the number
+after ``layers``, ``blocks``, ``h`` or ``layer`` in its key path
+(``model.layers.12.mlp.up_proj.weight`` is layer 12), or what the first group of
+``layer_pattern`` (a regular expression searched in the key path's text) captures;
+leaves outside every layer (embeddings, the head) are one row.
 """
 
 from __future__ import annotations

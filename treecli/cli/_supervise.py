@@ -27,7 +27,8 @@ JOINED = "treecli-internal: joined the run"
 
 # What JAX's runtime and abseil write as they stop a process: log lines (I/W/E/F, a date,
 # a time), a check failure's stack trace, C++'s terminate handler.
-_RUNTIME_NOISE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\*\*\* Check failure|    @ +0x|terminate called|  what\(\):)")
+_RUNTIME_NOISE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\*\*\* Check failure|    @ +0x|terminate called"
+                            r"|  what\(\):)")
 _FATAL = re.compile(r"^F\d{4} [^\]]*\] (.*)")
 
 

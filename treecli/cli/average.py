@@ -14,8 +14,8 @@ from treecli.cli._output import Output
 
 def average(
     checkpoints: Annotated[list[str], typer.Argument(help="Two or more checkpoints with the same key paths "
-                                                      "and shapes (any formats; float dtypes may differ).", show_default=False,
-                                                      metavar="CHECKPOINTS...")],
+                                                      "and shapes (any formats; float dtypes may differ).",
+                                                      show_default=False, metavar="CHECKPOINTS...")],
     output: opt.OutputOpt,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="One weight per input, e.g. 1,2,3 "
                                                    "(default: equal). Negative weights are allowed.",

@@ -187,7 +187,7 @@ ALLOWED = {
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": lambda *args: _bytearray(*args),
+    "builtins.bytearray": _bytearray,
     "_codecs.encode": lambda text, encoding="utf-8": text.encode(encoding),
     "torch.storage.UntypedStorage": _StorageType(None),
     **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_DTYPES.items()},
