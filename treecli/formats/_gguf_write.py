@@ -25,6 +25,7 @@ from treecli.formats.gguf import _ARRAYS, _SCALARS, _STRING, MAGIC, MetaValue, Q
 
 _TYPE_OF = {dtype: kind for kind, dtype in _ARRAYS.items()}
 _COPY_BYTES = 4 << 20  # a quantized tensor's blocks are copied this many bytes at a time
+GGML_MAX_DIMS = 4
 
 
 def write(tree: Any, target: Path, options: WriteOptions) -> None:
@@ -61,7 +62,10 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
 def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any]]:
     entries, unsupported = [], []
     for key, keypath, leaf in _flatkeys.flatten_for_writing(tree, ".", file):
-        if isinstance(leaf, QuantizedLeaf) or (_leaf.is_array(leaf) and _leaf.as_leaf(leaf).dtype_name in _TYPE_OF):
+        if _leaf.is_array(leaf) and len(leaf.shape) > GGML_MAX_DIMS:  # (llama.cpp, and treecli, read no more)
+            unsupported.append(f"{format_keypath(keypath)} ({len(leaf.shape)} dimensions; GGUF holds at most "
+                               f"{GGML_MAX_DIMS})")
+        elif isinstance(leaf, QuantizedLeaf) or (_leaf.is_array(leaf) and _leaf.as_leaf(leaf).dtype_name in _TYPE_OF):
             entries.append((key, leaf if isinstance(leaf, QuantizedLeaf) else _leaf.as_leaf(leaf)))
         else:
             what = f"dtype {_leaf.as_leaf(leaf).dtype_name}" if _leaf.is_array(leaf) else type(leaf).__name__
