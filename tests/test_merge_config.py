@@ -232,7 +232,7 @@ def test_an_alias_bomb_as_a_model_name_is_quoted_in_a_few_dozen_characters(model
     assert len(config.read_bytes()) < 3000
     result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
     assert_clean_error(result, "models[1].model: expected a model's path or URL, found [[[")
-    assert len(result.stderr) < 400
+    assert len(result.stderr) - len(str(tmp_path)) < 400  # (the config is named in full: the rest is bounded)
 
 
 @pytest.mark.parametrize("make, fragment", [

@@ -180,7 +180,7 @@ def test_an_index_of_many_nones_is_refused_never_written_unreadable(cli, tmp_pat
     result = cli("slice", tmp_path / "a.safetensors", "--index", many, "-o", tmp_path / "s.safetensors")
     assert_clean_error(result, "w: index [None, None", "more characters)] does not fit shape [2, 3]",
                        "the result would have 20002 dimensions", "at most 64")
-    assert len(result.stderr) < 300
+    assert len(result.stderr) - len(str(tmp_path)) < 300  # (the file is named in full: the rest is bounded)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
     with pytest.raises(UsageError, match="at most 64"):  # the Python API, on any tree
         treecli.slice_tree({"w": np.ones(3, np.float32)}, [",".join(["None"] * 64)])
