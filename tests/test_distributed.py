@@ -150,8 +150,9 @@ def test_processes_that_run_other_commands_or_inputs_stop_before_any_work(models
         assert [r.returncode for r in results] == [2, 2], [r.stderr for r in results]
         for i, r in enumerate(results):
             said = r.stderr.strip().splitlines()
-            assert len(said) == 1 and said[0].startswith(f"treecli: error: process {i}: process {1 - i} runs "
-                                                         "another command, or on other inputs"), said
+            assert len(said) == 1 and said[0].startswith(f"treecli: error: process {i} of 2 (coordinator "
+                                                         "127.0.0.1:"), said
+            assert f"): process {1 - i} runs another command, or on other inputs" in said[0], said
             assert "are two runs on one address?" in said[0]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors"]  # no output, no temporary
     touched = launch(2, "average", *models, "-o", out, each={1: ["average", *models, "-o", out]})

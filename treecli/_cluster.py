@@ -47,7 +47,13 @@ class Cluster:
     process_id: int
     count: int
     client: Any  # JAX's distributed runtime client: its key-value store and barriers
+    coordinator: str = "the coordinator JAX found"  # its address, for messages
     _steps: Any = field(default_factory=itertools.count)
+
+    @property
+    def who(self) -> str:
+        """This process and its run, as a message names them."""
+        return f"process {self.process_id} of {self.count} (coordinator {self.coordinator})"
 
     @property
     def publishes(self) -> bool:
@@ -74,17 +80,17 @@ class Cluster:
             if failures:
                 lines = sorted((int(key.rsplit("/", 1)[1]), line) for key, line in failures)
                 first = "; ".join(f"process {i}: {line}" for i, line in lines[:2])
-                raise ClusterFailure(f"{len(lines)} of {self.count} processes failed ({first}); "
+                raise ClusterFailure(f"{self.who}: {len(lines)} of {self.count} processes failed ({first}); "
                                      "nothing was published")
             if len(self.client.key_value_dir_get(f"{name}/")) == self.count:
                 return
             if time.monotonic() > deadline:
-                raise ClusterFailure(f"the other processes did not all finish {step!r} within "
+                raise ClusterFailure(f"{self.who}: the other processes did not all finish {step!r} within "
                                      f"{BARRIER_SECONDS:g} s (TREECLI_BARRIER_SECONDS); nothing was published")
             time.sleep(pause)
             pause = min(0.05, pause * 2)  # the coordinator is asked often at first, then every 50 ms
 
-    def check_same(self, fingerprint: str, timeout: float, coordinator: str) -> None:
+    def check_same(self, fingerprint: str, timeout: float) -> None:
         """Show the others this process's command, and see theirs, before any work.
 
         Raises:
@@ -98,13 +104,13 @@ class Cluster:
             if len(said) >= self.count:
                 break
             if time.monotonic() > deadline:
-                raise ClusterFailure(f"process {self.process_id}: the other processes did not all start their "
-                                     f"command within {timeout:g} s (coordinator {coordinator})")
+                raise ClusterFailure(f"{self.who}: the other processes did not all start their command within "
+                                     f"{timeout:g} s")
             time.sleep(0.01)
         others = sorted(int(key.rsplit("/", 1)[1]) for key, value in said.items() if value != fingerprint)
         if others:
-            raise ClusterFailure(f"process {self.process_id}: process {others[0]} runs another command, or on other "
-                                 f"inputs (coordinator {coordinator}): are two runs on one address? nothing was done")
+            raise ClusterFailure(f"{self.who}: process {others[0]} runs another command, or on other inputs: are "
+                                 "two runs on one address? nothing was done")
 
     def fail(self, line: str) -> None:
         """Tell every process that this one failed (its one line): none of them goes on."""
@@ -165,8 +171,9 @@ def start(coordinator: str | None, num_processes: int | None, process_id: int | 
     on_joined()
     count = jax.process_count()
     if count > 1:
-        _current = Cluster(jax.process_index(), count, distributed.global_state.client)
-        _current.check_same(_fingerprint(command), timeout, coordinator or "the coordinator JAX found")
+        _current = Cluster(jax.process_index(), count, distributed.global_state.client,
+                           distributed.global_state.coordinator_address or "the coordinator JAX found")
+        _current.check_same(_fingerprint(command), timeout)
 
 
 def _check_address(coordinator: str) -> None:
