@@ -113,3 +113,54 @@ def test_the_check_catches_each_wrong_way_arrow(module, target):
 ])
 def test_the_check_lets_downward_arrows_be(module, target):
     assert wrong_way({module: {target}}) == []
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle (module-level or function-local) among the modules of ``graph``."""
+    found, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                circle = path[path.index(target):]
+                if not any(set(circle) == set(c) for c in found):
+                    found.append(circle)
+            elif target not in done and target in graph:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [module])
+    return found
+
+
+def _inside_formats(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The arrows between format modules (the registry, ``treecli.formats``, left out: every
+    import of a submodule passes through the package)."""
+    return {m: {t for t in targets if t.startswith("treecli.formats.")}
+            for m, targets in graph.items() if m.startswith("treecli.formats.")}
+
+
+def test_no_reader_and_writer_import_each_other_inside_formats():
+    """A format's reader and writer share a layout module (as gguf-py's constants.py), never
+    each other's private names: no circle."""
+    assert circles(_inside_formats(imports())) == []
+
+
+def test_the_check_finds_a_reader_writer_circle():
+    assert circles({"treecli.formats.gguf": {"treecli.formats._gguf_write"},
+                    "treecli.formats._gguf_write": {"treecli.formats.gguf"}}) != []
+
+
+def test_no_format_imports_names_from_its_registry():
+    """A format module imports submodules of ``treecli.formats``, never the registry's own
+    names (what it writes, how to pick a format): those live in ``formats._base``."""
+    offenders = []
+    for path in sorted((PACKAGE / "formats").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "treecli.formats":
+                names = [a.name for a in node.names if not (PACKAGE / "formats" / f"{a.name}.py").exists()]
+                offenders += [f"{path.name}: {name}" for name in names]
+    assert offenders == []

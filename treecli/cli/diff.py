@@ -104,7 +104,7 @@ def _print(out: Output, result, json: bool) -> None:
 
 def _by_layer(out: Output, a: str, b: str, steps: tuple, like, layer_pattern: str | None, json: bool,
               plot: str | None) -> int:
-    from treecli import _layers, _render
+    from treecli import _layers
 
     if plot is not None:
         from treecli.cli._plot import check_target

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
-from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._base import WRITES, Checkpoint, Format, Origin, WriteOptions
 
 # Each format's class, as "module:Class". Order matters only for sniffing: the first
 # format whose sniff accepts wins.
@@ -156,8 +156,6 @@ def _refuse_special(path: Path) -> None:
 
 
 # Formats treecli writes, and how an output is named for each.
-WRITES = (".safetensors, .npz, .msgpack, .eqx, .pt/.bin/.pth, .gguf, or a directory (an HF safetensors directory, or an "
-          "Orbax checkpoint)")
 # Extensions of files treecli reads but does not write, or never reads: an output named
 # so is a mistake, never a directory of that name.
 _FOREIGN_EXTENSIONS = (".h5", ".hdf5", ".ckpt", ".pkl", ".pickle",

@@ -79,6 +79,12 @@ class Checkpoint:
         self.close()
 
 
+# What treecli writes, for the messages that refuse another name (an output of a format
+# it only reads, a checkpoint named like one array).
+WRITES = (".safetensors, .npz, .msgpack, .eqx, .pt/.bin/.pth, .gguf, or a directory (an HF safetensors directory, or an "
+          "Orbax checkpoint)")
+
+
 @dataclass
 class WriteOptions:
     """Options every writer understands (a writer ignores what does not apply)."""

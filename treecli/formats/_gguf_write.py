@@ -21,9 +21,9 @@ from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
-from treecli.formats.gguf import _ARRAYS, _SCALARS, _STRING, MAGIC, MetaValue, QuantizedLeaf
+from treecli.formats._gguf_layout import ARRAYS, MAGIC, SCALARS, STRING, MetaValue, QuantizedLeaf
 
-_TYPE_OF = {dtype: kind for kind, dtype in _ARRAYS.items()}
+_TYPE_OF = {dtype: kind for kind, dtype in ARRAYS.items()}
 _COPY_BYTES = 4 << 20  # a quantized tensor's blocks are copied this many bytes at a time
 GGML_MAX_DIMS = 4
 
@@ -102,20 +102,20 @@ def _string(text: str) -> bytes:
 def _typed(value: Any) -> bytes:
     """A metadata value: its own GGUF type where it came from a GGUF file, else a string."""
     if not isinstance(value, MetaValue):
-        return struct.pack("<I", _STRING) + _string(value)
+        return struct.pack("<I", STRING) + _string(value)
     return struct.pack("<I", value.kind) + _payload(value.kind, value.value)
 
 
 def _payload(kind: int, value: Any) -> bytes:
-    if kind in _SCALARS:
-        return struct.pack(_SCALARS[kind][0], value)
-    if kind == _STRING:
+    if kind in SCALARS:
+        return struct.pack(SCALARS[kind][0], value)
+    if kind == STRING:
         return _string(value)
     item, items = value
-    if item in _SCALARS:
+    if item in SCALARS:
         import numpy as np
 
-        body = np.asarray(items, np.dtype(_SCALARS[item][0])).tobytes()
+        body = np.asarray(items, np.dtype(SCALARS[item][0])).tobytes()
     else:
         body = b"".join(_payload(item, v) for v in items)
     return struct.pack("<IQ", item, len(items)) + body

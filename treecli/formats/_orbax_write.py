@@ -14,7 +14,7 @@ from treecli import _leaf, _memory, _tree
 from treecli._errors import TreecliError, UsageError, in_cli
 from treecli._keypath import format_keypath
 from treecli.formats._base import WriteOptions
-from treecli.formats.orbax import _OWNED, _param_name
+from treecli.formats._orbax_layout import OWNED, param_name
 
 _MEMORY_FACTOR = 4
 
@@ -122,7 +122,7 @@ def write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> N
     if existing:
         if not replace:
             raise UsageError("output exists (add --force to replace it)", file=url)
-        foreign = sorted(top for top in set(map(_top, existing)) if not _OWNED.fullmatch(top))
+        foreign = sorted(top for top in set(map(_top, existing)) if not OWNED.fullmatch(top))
         if foreign:
             raise UsageError(f"holds {', '.join(foreign[:5])}, which Orbax's writer does not write; refusing to "
                              "replace it", file=url)
@@ -166,7 +166,7 @@ def _storable(tree: Any, file: str, options: WriteOptions) -> Any:
     items = _tree.flatten(tree, nones=True)  # Orbax stores None: it stays where it is
     seen: dict[str, tuple] = {}
     for keypath, _ in items:
-        name = _param_name(keypath)
+        name = param_name(keypath)
         if name in seen:
             raise TreecliError(f"key paths {format_keypath(seen[name])} and {format_keypath(keypath)} would both "
                                f"be stored as the Orbax parameter {name!r}; rename one first"

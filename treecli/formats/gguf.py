@@ -26,22 +26,9 @@ from treecli._errors import FormatError
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
+from treecli.formats._gguf_layout import (ARRAY, ARRAYS, MAGIC, MAX_DIMS, MAX_KEYS, MAX_NESTING, MAX_TENSORS,
+                                           SCALARS, STRING, MetaValue, QuantizedLeaf, type_name)
 
-MAGIC = b"GGUF"
-MAX_TENSORS = 1_000_000  # a 671B model has under 2,000
-MAX_KEYS = 100_000
-MAX_DIMS = 8  # GGML_MAX_DIMS is 4
-MAX_NESTING = 32  # metadata arrays in arrays: gguf-py reads any depth; no model nests more than 2
-SHOWN_ITEMS = 16  # a metadata array longer than this is summarised
-
-# ggml types stored as plain arrays, by their number
-_ARRAYS = {0: "float32", 1: "float16", 24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64",
-           30: "bfloat16"}
-# metadata value types: (struct format, name) for the fixed-size ones
-_SCALARS = {0: ("<B", "uint8"), 1: ("<b", "int8"), 2: ("<H", "uint16"), 3: ("<h", "int16"), 4: ("<I", "uint32"),
-            5: ("<i", "int32"), 6: ("<f", "float32"), 7: ("<?", "bool"), 10: ("<Q", "uint64"), 11: ("<q", "int64"),
-            12: ("<d", "float64")}
-_STRING, _ARRAY = 8, 9
 
 
 class GgufFormat(Format):
@@ -87,16 +74,16 @@ def open_source(reader: Any) -> Checkpoint:
     items, quantized = [], {}
     for name, dims, kind, offset in header.tensors:
         shape = tuple(reversed(dims))
-        if kind in _ARRAYS and header.order == ">":
-            items.append((name, _BigEndianLeaf(reader, offset, shape, _ARRAYS[kind])))
-        elif kind in _ARRAYS:
-            items.append((name, FileArrayLeaf(reader, offset, shape, _ARRAYS[kind])))
+        if kind in ARRAYS and header.order == ">":
+            items.append((name, _BigEndianLeaf(reader, offset, shape, ARRAYS[kind])))
+        elif kind in ARRAYS:
+            items.append((name, FileArrayLeaf(reader, offset, shape, ARRAYS[kind])))
         elif header.order == ">":  # (llama.cpp swaps a block's scales, not its packed values: no rule to read it by)
-            items.append((name, _leaf.Unreadable(f"a {_type_name(kind)} tensor {list(shape)}",
+            items.append((name, _leaf.Unreadable(f"a {type_name(kind)} tensor {list(shape)}",
                                                  "quantized blocks of a big-endian file")))
         else:
             items.append((name, QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind], name)))
-            quantized[_type_name(kind)] = quantized.get(_type_name(kind), 0) + 1
+            quantized[type_name(kind)] = quantized.get(type_name(kind), 0) + 1
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     checkpoint.warnings.extend([warning] if warning else [])
     checkpoint.metadata = header.metadata
@@ -147,11 +134,11 @@ class _Header:
             if name in names:  # (gguf-py and llama.cpp refuse it: which one is meant?)
                 raise FormatError("two tensors have this name", file=file, keypath=name)
             names.add(name)
-            if not dims and kind not in _ARRAYS:
-                raise FormatError(f"a 0-d {_type_name(kind)} tensor: quantized blocks need rows", file=file,
+            if not dims and kind not in ARRAYS:
+                raise FormatError(f"a 0-d {type_name(kind)} tensor: quantized blocks need rows", file=file,
                                   keypath=name)
         start = -(-self._at // alignment) * alignment
-        self.sizes = _sizes({kind for _, _, kind, _ in infos} - set(_ARRAYS), file)
+        self.sizes = _sizes({kind for _, _, kind, _ in infos} - set(ARRAYS), file)
         self.tensors = []
         spans = []
         for name, dims, kind, offset in infos:
@@ -195,23 +182,23 @@ class _Header:
 
     def _value(self, kind: int, depth: int) -> Any:
         """A value as Python holds it; an array as ``(item type, [items])``."""
-        if kind in _SCALARS:
-            return self._int(_SCALARS[kind][0])
-        if kind == _STRING:
+        if kind in SCALARS:
+            return self._int(SCALARS[kind][0])
+        if kind == STRING:
             return self._string()
-        if kind != _ARRAY:
+        if kind != ARRAY:
             raise FormatError(f"metadata value type {kind}, which GGUF does not define", file=self._file)
         if depth >= MAX_NESTING:
             raise FormatError(f"metadata arrays nested more than {MAX_NESTING} deep", file=self._file)
         item, count = self._int("<I"), self._int("<Q")
-        if item in _SCALARS:
+        if item in SCALARS:
             import numpy as np
 
-            size = struct.calcsize(_SCALARS[item][0])
+            size = struct.calcsize(SCALARS[item][0])
             if count * size > self._size - self._at:
                 raise FormatError(f"a metadata array of {count:,} items runs past the end of the file",
                                   file=self._file)
-            return item, np.frombuffer(self._take(count * size), self.order + _SCALARS[item][0][1:]).tolist()
+            return item, np.frombuffer(self._take(count * size), self.order + SCALARS[item][0][1:]).tolist()
         if count > self._size - self._at:  # every string or array takes at least 8 bytes
             raise FormatError(f"a metadata array of {count:,} items runs past the end of the file", file=self._file)
         return item, [self._value(item, depth + 1) for _ in range(count)]
@@ -228,46 +215,15 @@ class _Header:
         if count > self._size * 64:  # no encoding stores more than 64 elements per byte
             raise FormatError(f"a tensor of {count:,} elements in a file of {self._size:,} bytes", file=self._file,
                               keypath=name)
-        if kind in _ARRAYS:
+        if kind in ARRAYS:
             from treecli import _dtypes
 
-            return count * _dtypes.itemsize(_ARRAYS[kind])
+            return count * _dtypes.itemsize(ARRAYS[kind])
         block, size = self.sizes[kind]
         if dims and dims[0] % block:
-            raise FormatError(f"{_type_name(kind)} stores blocks of {block}, but the rows hold {dims[0]} elements",
+            raise FormatError(f"{type_name(kind)} stores blocks of {block}, but the rows hold {dims[0]} elements",
                               file=self._file, keypath=name)
         return count // block * size
-
-
-class MetaValue(str):
-    """A metadata value: its text as ``show`` prints it (an array of more than 16 items
-    summarised, ``[151936 strings]``), carrying its GGUF type and its whole value, so that
-    a GGUF output writes it back as it was (and any other writer writes the text)."""
-
-    kind: int
-    value: Any
-
-    def __new__(cls, kind: int, value: Any) -> "MetaValue":
-        text = super().__new__(cls, _text(kind, value))
-        text.kind, text.value = kind, value
-        return text
-
-
-def _text(kind: int, value: Any) -> str:
-    if kind != _ARRAY:
-        return str(value)
-    item, items = value
-    if len(items) > SHOWN_ITEMS:
-        what = _SCALARS[item][1] if item in _SCALARS else "strings" if item == _STRING else "arrays"
-        return f"[{len(items)} {what}]"
-    return "[" + ", ".join(_text(item, v) if item == _ARRAY else repr(v) if item == _STRING else str(v)
-                           for v in items) + "]"
-
-
-def _type_name(kind: int) -> str:
-    from gguf.constants import GGMLQuantizationType
-
-    return GGMLQuantizationType(kind).name
 
 
 def _sizes(kinds: set[int], file: str) -> dict[int, tuple[int, int]]:
@@ -283,63 +239,6 @@ def _sizes(kinds: set[int], file: str) -> dict[int, tuple[int, int]]:
         except (ValueError, KeyError):
             raise FormatError(f"tensor type {kind}, which ggml does not define", file=file) from None
     return sizes
-
-
-class QuantizedLeaf(_leaf.WholeLeaf):
-    """A quantized tensor: float32 values of its logical shape, its blocks read whole and
-    dequantized by the gguf package when asked. A GGUF output copies its blocks as they
-    are (``kind``, ``raw_nbytes`` bytes at ``raw_offset`` of ``reader``)."""
-
-    def __init__(self, reader: Any, offset: int, shape: tuple[int, ...], kind: int, sizes: tuple[int, int],
-                 name: str = ""):
-        self._reader, self._offset, self._kind, self._name = reader, offset, kind, name
-        self._block, self._block_bytes = sizes
-        self.shape = shape
-        self.dtype_name = "float32"
-
-    @property
-    def place(self) -> tuple[str, int] | None:
-        """Its file and the offset of its blocks there (None: computed, not read)."""
-        return None if self._reader is None else (self._reader.path, self._offset)
-
-    @property
-    def kind(self) -> int:
-        return self._kind
-
-    @property
-    def raw_nbytes(self) -> int:
-        return self.size // self._block * self._block_bytes
-
-    def read_raw(self, start: int, stop: int):
-        """Bytes ``[start, stop)`` of its blocks, as stored."""
-        import numpy as np
-
-        out = np.empty(stop - start, np.uint8)
-        self._reader.read_into(out, self._offset + start)
-        return out
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return (self._reader.path,)
-
-    def blocks(self):
-        """All its blocks, as stored (flat bytes)."""
-        return self.read_raw(0, self.raw_nbytes)
-
-    def load(self):
-        import numpy as np
-        from gguf import quants
-        from gguf.constants import GGMLQuantizationType
-
-        row = self.shape[-1] if self.shape else 1
-        raw = self.blocks().reshape(self.size // max(1, row), row // self._block * self._block_bytes)
-        try:
-            with np.errstate(all="ignore"):  # a block's scale may be inf or NaN in the file: so are its values
-                values = quants.dequantize(raw, GGMLQuantizationType(self._kind))
-        except NotImplementedError:  # (Q8_1, Q8_K: llama.cpp's intermediate types; copied as they are)
-            raise FormatError(f"{_type_name(self._kind)} blocks, which the gguf package does not dequantize; a GGUF "
-                              "output copies them as they are", file=self._reader.path, keypath=self._name) from None
-        return values.astype(np.float32, copy=False).reshape(-1)
 
 
 class _Blocks(_leaf.WholeLeaf):

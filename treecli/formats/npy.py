@@ -11,7 +11,7 @@ from treecli._bytes import writer
 from treecli._bytes.local import open_regular
 from treecli._errors import TreecliError, UsageError
 from treecli.formats import _npy, eqx
-from treecli.formats._base import Checkpoint, Format, WriteOptions
+from treecli.formats._base import WRITES, Checkpoint, Format, WriteOptions
 
 
 class NpyFormat(Format):
@@ -32,8 +32,6 @@ class NpyFormat(Format):
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         if not _leaf.is_array(tree):
-            from treecli.formats import WRITES
-
             raise UsageError("an .npy file holds one array, not a checkpoint (one leaf: treecli get "
                              f"{options.source_in_hint()} KEYPATH -o leaf.npy); treecli writes {WRITES}",
                              file=str(target))

@@ -26,6 +26,7 @@ from treecli._keypath import format_keypath
 from treecli._bytes.local import refuse_special
 from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
 from treecli.formats._folder import Folder, LocalFolder
+from treecli.formats._orbax_layout import OWNED, param_name
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # The layout before _METADATA: the tree in a Flax msgpack file, arrays stored apart
@@ -33,8 +34,6 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _AGGREGATE = "checkpoint"
 _PLACEHOLDER = "PLACEHOLDER://"
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
-_OWNED = re.compile(r"_CHECKPOINT_METADATA|_METADATA|_ROOT_METADATA|_strings\.json|_sharding|commit_success\.txt"
-                    r"|manifest\.ocdbt|d|ocdbt\.process_\d+|array_metadatas|descriptor")
 METADATA_CACHE_BYTES = 16 << 20  # OCDBT manifests and B-tree nodes, shared by a checkpoint's arrays
 
 
@@ -61,7 +60,7 @@ class OrbaxFormat(Format):
 
     def owns(self, name: str) -> bool:
         """Whether a directory entry is one Orbax's writer writes."""
-        return _OWNED.fullmatch(name) is not None
+        return OWNED.fullmatch(name) is not None
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         from treecli.formats import _orbax_write
@@ -258,11 +257,11 @@ def _open_pytree(directory: Folder, checkpoint: Checkpoint) -> Any:
                               f"({_tree.MAX_DEPTH})", file=directory.name)
         entries.append((keypath, value_type, value.get("write_shape")))
     arrays = [(kp, shape) for kp, kind, shape in entries if kind in _ARRAY_TYPES]
-    stores = _open_arrays(directory, {kp: _param_name(kp) for kp, _ in arrays},
+    stores = _open_arrays(directory, {kp: param_name(kp) for kp, _ in arrays},
                           use_ocdbt=metadata.get("use_ocdbt", True), use_zarr3=bool(metadata.get("use_zarr3")))
     items = []
     for keypath, kind, write_shape in entries:
-        name = _param_name(keypath)
+        name = param_name(keypath)
         if kind in _ARRAY_TYPES:
             store = stores[keypath]
             if write_shape is not None and not _fits_in(write_shape, store.shape):
@@ -280,11 +279,6 @@ def _open_pytree(directory: Folder, checkpoint: Checkpoint) -> Any:
             checkpoint.warnings.append(f"{name}: value type {kind!r} is not understood; shown as None")
             items.append((keypath, None))
     return _build(items)
-
-
-def _param_name(keypath: tuple) -> str:
-    """The name Orbax stores a leaf under: its keys joined with ``.``."""
-    return ".".join(str(k) for k in keypath)
 
 
 def _build(items: list[tuple[tuple, Any]]) -> Any:
