@@ -67,3 +67,30 @@ def test_a_tree_that_does_not_fit_says_its_first_differences_in_the_message(mana
     message = str(caught.value)
     assert "3 differences" in message
     assert "params.b: only in the template" in message and "params.w: [3, 3] float32 in the template" in message
+
+
+@pytest.mark.parametrize("name", ["v.safetensors", "v.npz", "v.msgpack"])
+def test_save_verify_reads_the_output_back_before_it_replaces_anything(tmp_path, monkeypatch, name):
+    import ml_dtypes
+
+    from treecli import _verify
+
+    checked = []
+    real = _verify.Verifier.__call__
+    monkeypatch.setattr(_verify.Verifier, "__call__", lambda self, path: (checked.append(path), real(self, path))[1])
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, ml_dtypes.bfloat16), "step": 7}
+    out = treecli.save(tree, tmp_path / name, verify=True)
+    assert len(checked) == 1 and checked[0] != out  # the temporary, before it was published
+    back = treecli.load(out)
+    assert np.asarray(back["w"]).tolist() == tree["w"].tolist() and int(np.asarray(back["step"])) == 7
+    treecli.save(tree, tmp_path / ("plain_" + name))
+    assert len(checked) == 1  # (not asked: not read back)
+
+
+def test_save_verify_that_fails_publishes_nothing(tmp_path, monkeypatch):
+    from treecli.formats.safetensors import SafetensorsFormat
+
+    monkeypatch.setattr(SafetensorsFormat, "reference_problems", lambda self, path, written: ["w: the reference differs"])
+    with pytest.raises(treecli.TreecliError, match="verification failed") as info:
+        treecli.save({"w": np.ones(3, np.float32)}, tmp_path / "v.safetensors", verify=True)
+    assert "w: the reference differs" in info.value.details and not list(tmp_path.iterdir())

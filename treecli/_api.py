@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from treecli import _average, _diff, _edit, _merge, _pytree, _slice, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
-from treecli.formats import WriteOptions, open_checkpoint, save as _save
+from treecli.formats import WriteOptions, held_by, is_url, open_checkpoint, output_format, save as _save
 from treecli.formats._base import Checkpoint
 
 
@@ -119,8 +119,13 @@ def save(
     max_shard_size: int | None = None,
     force: bool = False,
     drop_unsupported: bool = False,
+    verify: bool = False,
 ) -> Path:
     """Write any pytree (lazy, NumPy or JAX leaves) atomically, streaming leaf by leaf.
+
+    With ``verify=True`` the finished temporary is opened by its own reader and every leaf
+    checked bit for bit before it replaces anything, as ``treecli convert`` does (a local
+    output: a bucket's upload is checked by its checksums).
 
     The format follows ``format``, else the extension of ``path``. A pytree's
     key paths name its leaves (``layers.0.weight``); an ``.eqx`` output keeps
@@ -144,7 +149,14 @@ def save(
         metadata.setdefault(PRNG_KEYS_METADATA, json.dumps(keys, sort_keys=True))
     options = WriteOptions(metadata=metadata, max_shard_size=max_shard_size,
                            drop_unsupported=drop_unsupported, like=structure)
-    return _save(native, path, format=format, options=options, force=force)
+    verifier = None
+    if verify and not is_url(path):
+        from treecli._verify import Verifier
+
+        fmt = output_format(Path(path), format, None)[0]
+        native = held_by(native, fmt, str(path))  # (what is written is what is checked)
+        verifier = Verifier(native, fmt, drop_unsupported, like=structure)
+    return _save(native, path, format=format, options=options, force=force, verify=verifier)
 
 
 def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **options: Any) -> tuple[Any, Any]:
