@@ -216,10 +216,9 @@ def selected(tree: Any, where: Sequence[str]) -> Any:
     Raises:
         KeyPathError: a pattern that matches nothing (naming the closest key paths).
     """
+    for text in where:
+        resolve(tree, text)
     patterns = [_keypath.parse(text) for text in where]
-    for text, pattern in zip(where, patterns):
-        if not any(_keypath.matches(pattern, kp) for kp, _ in iter_nodes(tree)):
-            raise no_match(tree, text)
     kept = [(kp, leaf) for kp, leaf in flatten(tree) if any(_keypath.covers(p, kp) for p in patterns)]
     # (a sequence kept in part is a dict by index: its leaves keep their numbers)
     sequences = {kp for kp, node in iter_nodes(tree) if isinstance(node, (list, tuple))}

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Callable, Literal
 from treecli import _dtypes, _gc
 from treecli._bytes.local import identity, open_regular
 from treecli._errors import FormatError
+from treecli._index import MAX_NDIM  # NumPy's limit: every leaf becomes a NumPy array
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
-_MAX_NDIM = 64  # NumPy's limit: every leaf becomes a NumPy array
 _USIZE = 1 << 64  # the reference reads shapes and offsets as 64-bit unsigned integers
 # A "-0" number token (the reference reads it as a float and refuses it); found in
 # strings too, where it only sends the header down the slower exact check.
@@ -148,8 +148,8 @@ def _check_header(pairs: "_Pairs", size: int | Callable[[int], int], data_start:
             metadata = _checked_metadata(info, file)
             continue
         dtype, shape, begin, end = _check_entry(name, info, file)
-        if len(shape) > _MAX_NDIM:
-            raise FormatError(f"shape has {len(shape)} dimensions; NumPy handles at most {_MAX_NDIM}", file=file,
+        if len(shape) > MAX_NDIM:
+            raise FormatError(f"shape has {len(shape)} dimensions; NumPy handles at most {MAX_NDIM}", file=file,
                               keypath=name)
         if dtype in PACKED_BITS:
             bits = math.prod(shape) * PACKED_BITS[dtype]
@@ -281,7 +281,7 @@ def _typed_decoders() -> tuple[Any, Any, type[Exception]]:
     positive = Annotated[int, msgspec.Meta(ge=1)]  # zero-sized dimensions go the exact way (its overflow rule)
     entry = msgspec.defstruct("Entry", [
         ("dtype", code | None, None),
-        ("shape", Annotated[tuple[positive, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None, None),
+        ("shape", Annotated[tuple[positive, ...], msgspec.Meta(max_length=MAX_NDIM)] | None, None),
         ("data_offsets", tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]] | None, None),
     ])
     top = msgspec.defstruct("Top", [("metadata", msgspec.Raw, msgspec.Raw())], rename={"metadata": "__metadata__"})

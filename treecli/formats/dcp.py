@@ -202,7 +202,6 @@ def _chunk(folder: Any, fqn: str, place: Any, readers: dict, checkpoint: Checkpo
     if not (type(offset) is int and type(length) is int and 0 <= offset and offset + length <= reader.size):
         raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
     obj, places = torch_format.read_zip(reader, (offset, length))
-    items = torch_format.items_of(obj, places, reader, reader.path, checkpoint.warnings)
-    if len(items) == 1 and items[0][0] == "":
-        return items[0][1]
-    return _flatkeys.nest(items, ".")[0]  # (a value holding tensors: its tensors lazy leaves, as in a .pt)
+    # (a value holding tensors: its tensors lazy leaves, as in a .pt)
+    return torch_format.tree_of(torch_format.items_of(obj, places, reader, reader.path, checkpoint.warnings),
+                                checkpoint.warnings)

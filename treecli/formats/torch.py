@@ -257,11 +257,17 @@ def open_source(source: Any) -> Checkpoint:
 
 
 def _fill(checkpoint: Checkpoint, items: list[tuple[str, Any]]) -> None:
+    checkpoint.tree = tree_of(items, checkpoint.warnings)
+
+
+def tree_of(items: list[tuple[str, Any]], warnings: list[str]) -> Any:
+    """The tree of a pickle's items: the object itself where it is one tensor or value,
+    else its dotted keys nested (a warning where they cannot nest)."""
     if len(items) == 1 and items[0][0] == "":
-        checkpoint.tree = items[0][1]  # the object is one tensor or value
-    else:
-        checkpoint.tree, warning = _flatkeys.nest(items, ".")
-        checkpoint.warnings.extend([warning] if warning else [])
+        return items[0][1]
+    tree, warning = _flatkeys.nest(items, ".")
+    warnings.extend([warning] if warning else [])
+    return tree
 
 
 _INDEX = "pytorch_model.bin.index.json"
