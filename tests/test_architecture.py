@@ -16,9 +16,10 @@ ENTRY = {"treecli", "treecli.__main__"}  # the public API's facade and `python -
 CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._errors", "treecli._escape",
         "treecli._units", "treecli._leaf", "treecli._devices", "treecli._cluster", "treecli._tree", "treecli._pytree",
         "treecli._gc", "treecli._memory", "treecli._atomic"}
-OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._edit",
-              "treecli._diff", "treecli._layers"}
-ENGINES = {"treecli._combine", "treecli._selection", "treecli._methods", "treecli._mergeconfig"}  # shared by operations
+OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._configmerge",
+              "treecli._edit", "treecli._diff", "treecli._layers"}
+ENGINES = {"treecli._combine", "treecli._selection", "treecli._mergeconfig"}  # shared by operations
+METHODS_PACKAGE = "treecli.merge_methods"  # an engine too: the registry of merge methods, one module a family
 API = {"treecli._api", "treecli._verify", "treecli._render"}
 CONCRETE_SOURCES = {"treecli._bytes.local", "treecli._bytes.http", "treecli._bytes.kvstore", "treecli._bytes.upload"}
 
@@ -30,7 +31,7 @@ def layer(module: str) -> int:
         return 5
     if module in API:
         return 4
-    if module in OPERATIONS or module in ENGINES:
+    if module in OPERATIONS or module in ENGINES or _in_methods(module):
         return 3
     if module.startswith("treecli.formats"):
         return 2
@@ -38,6 +39,10 @@ def layer(module: str) -> int:
         return 1
     assert module in CORE, f"{module}: in no layer; add it to tests/test_architecture.py"
     return 0
+
+
+def _in_methods(module: str) -> bool:
+    return module == METHODS_PACKAGE or module.startswith(METHODS_PACKAGE + ".")
 
 
 def _module(path: Path) -> str:
@@ -77,11 +82,11 @@ def wrong_way(graph: dict[str, set[str]]) -> list[str]:
                 continue
             if layer(target) > layer(module):
                 arrows.append(f"{module} -> {target}: up from layer {layer(module)} to {layer(target)}")
-            elif module in OPERATIONS | ENGINES and target in CONCRETE_SOURCES:
+            elif (module in OPERATIONS | ENGINES or _in_methods(module)) and target in CONCRETE_SOURCES:
                 arrows.append(f"{module} -> {target}: an operation reads through a concrete byte source")
             elif module in OPERATIONS and target in OPERATIONS:
                 arrows.append(f"{module} -> {target}: sibling operations share engines, not each other")
-            elif module in ENGINES and target in OPERATIONS:
+            elif (module in ENGINES or _in_methods(module)) and target in OPERATIONS:
                 arrows.append(f"{module} -> {target}: an engine leans on an operation")
             elif (target.startswith("treecli.formats.") and target != "treecli.formats._base"
                   and not module.startswith("treecli.formats")):
@@ -164,3 +169,59 @@ def test_no_format_imports_names_from_its_registry():
                 names = [a.name for a in node.names if not (PACKAGE / "formats" / f"{a.name}.py").exists()]
                 offenders += [f"{path.name}: {name}" for name in names]
     assert offenders == []
+
+
+# --- merge methods: a registry of modules ------------------------------------------------------------
+
+
+def _method_names() -> set[str]:
+    from treecli.merge_methods import METHODS
+
+    return set(METHODS)
+
+
+def dispatches_on_method_names(source: str, names: set[str]) -> list[str]:
+    """Each comparison of something with a method's name (``method == "slerp"``,
+    ``name in ("ram", "ramplus_tl")``, a ``match`` case) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            constants = [c for o in operands for c in ([o] if isinstance(o, ast.Constant) else
+                                                        o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [])]
+            found += [f"line {node.lineno}: {c.value!r}" for c in constants
+                      if isinstance(c, ast.Constant) and c.value in names]
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
+            found.append(f"line {node.lineno}: case {node.value.value!r}")
+    return found
+
+
+def test_nothing_outside_the_registry_dispatches_on_a_method_name():
+    """What a method does is declared in its module (``merge_methods``): no other module
+    asks which method it is running."""
+    names = _method_names()
+    offenders = [f"{path.relative_to(PACKAGE.parent)} {hit}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if not _in_methods(_module(path)) for hit in dispatches_on_method_names(path.read_text(), names)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("source", ['if method == "slerp":\n    pass', 'x = name in ("ram", "ramplus_tl")',
+                                    'match m:\n    case "ties":\n        pass'])
+def test_the_check_finds_a_dispatch_on_a_method_name(source):
+    assert dispatches_on_method_names(source, _method_names()) != []
+
+
+def test_method_families_are_registered_only_by_the_registry():
+    """A family module imports the declarations (``_method``) and private helpers, never
+    another family or the registry: adding one is its module and a line in ``FAMILIES``."""
+    from treecli import merge_methods
+
+    offenders = []
+    for family in merge_methods.FAMILIES:
+        for node in ast.walk(ast.parse(Path(family.__file__).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and _in_methods(node.module):
+                named = [node.module] if node.module != METHODS_PACKAGE else [
+                    f"{METHODS_PACKAGE}.{a.name}" for a in node.names]
+                offenders += [f"{family.__name__} -> {n}" for n in named if n.rpartition(".")[2][:1] != "_"]
+    assert offenders == []
+    assert {m.name for f in merge_methods.FAMILIES for m in f.METHODS} == set(merge_methods.REGISTRY)

@@ -240,3 +240,29 @@ def test_python_examples_run(block, template, tmp_path, monkeypatch):
     monkeypatch.chdir(box)
     monkeypatch.syspath_prepend(str(box))
     exec(compile(block, "<example>", "exec"), {"__name__": "__example__"})
+
+
+def test_the_merge_methods_table_lists_the_registry():
+    """docs/merging.md's table of methods has a row per registered method, in the
+    registry's order, naming every parameter the method declares (or the method whose
+    parameters it shares: "as `dare_linear`")."""
+    from treecli.merge_methods import METHODS, REGISTRY
+
+    text = (ROOT / "docs" / "merging.md").read_text()
+    table = text[text.index("## The methods"):].split("\n## ")[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = re.split(r"(?<!\\)\|", line)  # (a pipe inside a cell is escaped, or it splits the row)
+        found = re.fullmatch(r" `(\w+)` ", cells[1]) if len(cells) == 7 else None
+        if found:
+            rows[found.group(1)] = cells[4]
+    assert tuple(rows) == METHODS
+
+    def documented(name: str) -> str:
+        cell = rows[name]
+        shared = re.match(r"\s*as `(\w+)`", cell)
+        return cell + (documented(shared.group(1)) if shared else "")
+
+    missing = [f"{name}: {p.name}" for name in METHODS for p in REGISTRY[name].params
+               if f"`{p.name}`" not in documented(name)]
+    assert missing == []

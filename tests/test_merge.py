@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 import treecli
 from treecli import _merge, _selection
+from treecli.merge_methods._sparsify import dare_keep
 from treecli._combine import SUB_CHUNK
 
 from .conftest import BF16, assert_clean_error
@@ -26,7 +27,7 @@ def test_dare_rescales_each_task_vector_to_its_l1_norm_by_default_as_mergekit(me
     leaf spans several chunks, so the norms are summed across them."""
     base, ms = models(np.float32, shape=(3 * SUB_CHUNK + 77,), count=2)
     merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.3, seed=9)
-    keeps = [_merge.dare_keep(9, "w", i, 0, base.size, 0.3) for i in range(2)]
+    keeps = [dare_keep(9, "w", i, 0, base.size, 0.3) for i in range(2)]
     deltas = [m.astype(np.float64) - base.astype(np.float64) for m in ms]
     divisors = [np.abs(d * k).sum() / np.abs(d).sum() for d, k in zip(deltas, keeps)]  # 1 / the L1 factor
     want = reference(base, ms, [1.0, 1.0], keeps=keeps, rescale_by=divisors, consensus=consensus)
@@ -127,7 +128,7 @@ def test_consensus_methods_match_the_reference_with_zeros_ties_and_any_weights(d
     if method == "ties":
         want = reference(base, ms, weights, trim=density, consensus=True, normalize=normalize)
     else:
-        keeps = [_merge.dare_keep(3, "w", i, 0, size, density) for i in range(count)]
+        keeps = [dare_keep(3, "w", i, 0, size, density) for i in range(count)]
         want = reference(base, ms, weights, keeps=keeps, rescale_by=density, consensus=True, normalize=normalize)
     if method == "ties" or density in (0.5, 1.0):  # exact arithmetic on these values: the same bits
         assert bits(merged["w"]) == bits(want)
@@ -218,13 +219,13 @@ def test_ties_finds_the_cut_in_a_third_pass_when_the_bin_is_too_full_to_record(m
 
 
 def test_dare_is_the_same_whatever_the_chunks_and_keeps_about_density():
-    keep = _merge.dare_keep(7, "layers.0.w", 1, 0, 100_003, 0.3)
-    pieces = np.concatenate([_merge.dare_keep(7, "layers.0.w", 1, s, min(100_003, s + 777), 0.3)
+    keep = dare_keep(7, "layers.0.w", 1, 0, 100_003, 0.3)
+    pieces = np.concatenate([dare_keep(7, "layers.0.w", 1, s, min(100_003, s + 777), 0.3)
                              for s in range(0, 100_003, 777)])
     assert (keep == pieces).all()
     assert abs(keep.mean() - 0.3) < 0.01
-    assert not (keep == _merge.dare_keep(8, "layers.0.w", 1, 0, 100_003, 0.3)).all()  # the seed matters
-    assert not (keep == _merge.dare_keep(7, "layers.0.w", 2, 0, 100_003, 0.3)).all()  # so does the model
+    assert not (keep == dare_keep(8, "layers.0.w", 1, 0, 100_003, 0.3)).all()  # the seed matters
+    assert not (keep == dare_keep(7, "layers.0.w", 2, 0, 100_003, 0.3)).all()  # so does the model
 
 
 @pytest.mark.parametrize("method, consensus", [("dare_linear", False), ("dare_ties", True)])
@@ -232,7 +233,7 @@ def test_dare_matches_the_reference_and_reads_alike_in_any_chunks(method, consen
     base, ms = models(np.float32, shape=(SUB_CHUNK + 5000,), count=2)
     merged, _ = treecli.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5,
                               rescale="density")
-    keeps = [_merge.dare_keep(5, "w", i, 0, base.size, 0.4) for i in range(2)]
+    keeps = [dare_keep(5, "w", i, 0, base.size, 0.4) for i in range(2)]
     want = reference(base, ms, [1.0, 1.0], keeps=keeps, rescale_by=0.4, consensus=consensus)
     assert bits(merged["w"]) == bits(want)
     computed, _ = _merge.merge([{"w": m} for m in ms], method, base={"w": base}, density=0.4, seed=5,
@@ -411,4 +412,4 @@ def test_the_rescale_flag_names_the_choice(cli, tmp_path):
                        "--rescale 'l2': choose one of l1, density, none")
     assert_clean_error(cli("merge", "--method", "ties", "--base", tmp_path / "base.safetensors",
                            tmp_path / "a.safetensors", "--rescale", "density", "-o", tmp_path / "t.safetensors"),
-                       "is DARE's")
+                       "--rescale 'density' is for dare_linear, dare_ties; ties takes l1 or none")

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import treecli
-from treecli import _merge
+from treecli import merge_methods
+from treecli.merge_methods import LeafMerge, LeafSettings, run
+from treecli.merge_methods._sparsify import KeptMasks
 from treecli._combine import SUB_CHUNK
 
 from .conftest import BF16
@@ -310,9 +312,9 @@ def test_della_keeps_with_probabilities_rising_with_magnitude_and_rescales_to_th
 
 def test_per_model_densities_through_the_python_api():
     base, ms = family(shape=(1000,), count=2)
-    settings = _merge.LeafSettings({"lambda": 1.0, "normalize": True, "int8_mask": False, "rescale": False},
+    settings = LeafSettings({"lambda": 1.0, "normalize": True, "int8_mask": False, "rescale": False},
                                    [{"weight": 1.0, "density": 0.2}, {"weight": 1.0, "density": 1.0}])
-    leaf = _merge.leaf_merge("ties", [treecli._leaf.as_leaf(x) for x in (base, *ms)], True, settings, 0, "w",
+    leaf = leaf_merge("ties", [treecli._leaf.as_leaf(x) for x in (base, *ms)], True, settings, 0, "w",
                              ["base", "a", "b"], treecli._combine.AverageReport())
     out = leaf.read_flat(0, 1000)
     deltas = [f64(m) - f64(base) for m in ms]
@@ -340,11 +342,11 @@ def test_methods_refuse_what_they_cannot_take():
         merged("nearswap", base, ms[:1])
 
 
-@pytest.mark.parametrize("method", sorted(_merge.METHODS))
+@pytest.mark.parametrize("method", sorted(merge_methods.METHODS))
 def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
     """Scalars, vectors, matrices and 3-D leaves (DELLA ranks along the second axis, rows
     are the last), in bf16, fp16 and fp32, with and without a base: outputs finite."""
-    spec = _merge.SPECS[method]
+    spec = merge_methods.REGISTRY[method]
     low, high = spec.models
     count = high if high is not None else max(low, 3)
     for shape in [(), (5,), (3, 4), (2, 3, 4), (0, 4)]:
@@ -353,7 +355,7 @@ def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
             options = {"t": 0.3} if spec.param("t") else {}
             if spec.param("density"):
                 options["density"] = 0.5
-            out, report = merged(method, None if spec.base == "none" else base, ms, **options)
+            out, report = merged(method, None if spec.base in ("added", "refused") else base, ms, **options)
             assert out.shape == shape and out.dtype == dtype, (method, shape, dtype)
             assert np.isfinite(out.astype(np.float64)).all() and not report.warnings(), (method, shape, dtype)
 
@@ -362,9 +364,9 @@ def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
 def test_masks_kept_between_the_l1_pass_and_the_output_or_made_again_merge_alike(method, monkeypatch):
     base, ms = family(shape=(300, 1000), count=2)  # three blocks of each model's mask
     kept, _ = merged(method, base, ms, density=0.5, seed=3)
-    monkeypatch.setattr(_merge._KeptMasks, "CACHE_BYTES", 20_000)  # under a leaf's masks: the oldest go
+    monkeypatch.setattr(KeptMasks, "CACHE_BYTES", 20_000)  # under a leaf's masks: the oldest go
     some, _ = merged(method, base, ms, density=0.5, seed=3)
-    monkeypatch.setattr(_merge._KeptMasks, "CACHE_BYTES", 0)  # none kept: every mask made twice
+    monkeypatch.setattr(KeptMasks, "CACHE_BYTES", 0)  # none kept: every mask made twice
     none, _ = merged(method, base, ms, density=0.5, seed=3)
     assert kept.tobytes() == some.tobytes() == none.tobytes()
     assert 0.4 < np.mean(kept != base) < 0.9
@@ -376,24 +378,31 @@ def test_masks_kept_for_a_leaf_read_in_part_go_with_the_leaf():
     import gc
 
     base, (m,) = family(shape=(300, 1000), count=1)
-    settings = _merge.LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
+    settings = LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
                                    [{"weight": 1.0, "density": 0.5}])
-    leaf = _merge.leaf_merge("dare_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 1, "w",
+    leaf = leaf_merge("dare_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 1, "w",
                              ["base", "m"], treecli._combine.AverageReport())
     leaf.read_flat(0, 10)  # the L1 pass keeps every block's mask; this read takes the first
-    assert _merge._KeptMasks._bytes > 0
+    assert KeptMasks._bytes > 0
     del leaf
     gc.collect()
-    assert _merge._KeptMasks._bytes == 0
+    assert KeptMasks._bytes == 0
 
 
 @pytest.mark.parametrize("shape", [(37, 129), (5, 129, 7)])
 def test_della_coins_are_the_same_whatever_the_chunking(shape):
     base, (m,) = family(shape=shape, count=1)
-    settings = _merge.LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
+    settings = LeafSettings({"lambda": 1.0, "normalize": False, "int8_mask": False, "rescale": True},
                                    [{"weight": 1.0, "density": 0.4, "epsilon": 0.2}])
-    leaf = _merge.leaf_merge("della_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 11, "w",
+    leaf = leaf_merge("della_linear", [treecli._leaf.as_leaf(x) for x in (base, m)], True, settings, 11, "w",
                              ["base", "m"], treecli._combine.AverageReport())
     whole = leaf.read_flat(0, base.size)
     pieces = np.concatenate([leaf.read_flat(s, min(base.size, s + 77)) for s in range(0, base.size, 77)])
     assert whole.tobytes() == pieces.tobytes()
+
+
+def leaf_merge(method: str, leaves: list, has_base: bool, settings: LeafSettings, seed: int, keypath: str,
+               names: list[str], report) -> treecli._leaf.ArrayLeaf:
+    """One leaf merged by the registered ``method``, as ``merge`` does it."""
+    return run.leaf_merge(merge_methods.REGISTRY[method],
+                          LeafMerge(leaves, has_base, settings, seed, keypath, names, report))

@@ -15,7 +15,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slice, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 from treecli.formats import WriteOptions, held_by, is_url, open_checkpoint, output_format, save as _save
@@ -179,7 +179,7 @@ def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **opti
 
 def merge(trees: Sequence[Any] | None = None, method: str | None = None, *, base: Any = None, config: Any = None,
           models: dict[str, Any] | None = None, **options: Any) -> tuple[Any, Any]:
-    """Merge pytrees with mergekit's methods (``treecli._merge.METHODS``), as the first
+    """Merge pytrees with mergekit's methods (``treecli.merge_methods``), as the first
     one's type; options (``weights``, ``density``, ``lambda_``, ``t``, ``gamma``,
     ``epsilon``, ``seed``, ``normalize``, ``rescale``, ``parameters``, ...) and the report
     are those of ``treecli._merge.merge``.
@@ -196,11 +196,11 @@ def merge(trees: Sequence[Any] | None = None, method: str | None = None, *, base
         if trees is not None or method is not None or base is not None:
             raise UsageError("a config names the method, the base and the models; give config alone "
                              "(models= maps its names to trees)")
-        parsed = merge_config_file(config) if isinstance(config, (str, PathLike)) else _merge.load_config(config)
+        parsed = merge_config_file(config) if isinstance(config, (str, PathLike)) else _configmerge.load_config(config)
         given = dict(models or {})
         natives = {name: _pytree.to_native(tree)[0] if name in given else open(name).tree
                    for name, tree in ((n, given.get(n)) for n in parsed.models())}
-        return _merge.merge_config(parsed, natives, **options)
+        return _configmerge.merge_config(parsed, natives, **options)
     if trees is None or method is None:
         raise UsageError("give the trees and the method, or a mergekit config")
     natives, structures = zip(*(_pytree.to_native(t) for t in trees)) if trees else ((), ())
@@ -221,7 +221,7 @@ def merge_config_file(path: str | PathLike) -> Any:
         text = read_text(path, MAX_CONFIG_BYTES, "merge config")
     except OSError as e:
         raise UsageError(f"cannot read the config: {e.strerror or e}", file=str(path)) from None
-    return _merge.load_config(parse(text, str(path)), where=str(path))
+    return _configmerge.load_config(parse(text, str(path)), where=str(path))
 
 
 def slice_tree(tree: Any, rules: Sequence[Any]) -> tuple[Any, Any]:

@@ -94,16 +94,11 @@ def linear(
     if not all(math.isfinite(w) for w in weights):
         raise UsageError(f"weights {weights} are not all finite numbers")
     if normalize:
-        try:
-            total = math.fsum(weights)
-        except OverflowError:  # 1e308 + 1e308: scaled by the largest first, never inf (and zeros)
-            largest = max(abs(w) for w in weights)
-            weights = [w / largest for w in weights]
-            total = math.fsum(weights)
-        if total == 0:
+        normal = normalized(weights)
+        if normal is None:
             raise UsageError("the weights sum to 0 and cannot be normalized; use "
                              f"{option('normalize', False)} for task arithmetic")
-        weights = [w / total for w in weights]
+        weights = normal
     out_dtype = _dtypes.parse(dtype) if dtype else None
     if out_dtype and not _dtypes.is_float(out_dtype):
         raise UsageError(f"{option('dtype', dtype)}: the output of an average must be a floating-point dtype")
@@ -114,6 +109,17 @@ def linear(
         return averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
 
     return combine_inputs(trees, names, non_float, averaged, "averaged")
+
+
+def normalized(weights: list[float]) -> list[float] | None:
+    """``weights`` divided by their sum, or None where they sum to 0."""
+    try:
+        total = math.fsum(weights)
+    except OverflowError:  # 1e308 + 1e308: scaled by the largest first, never inf (and zeros)
+        largest = max(abs(w) for w in weights)
+        weights = [w / largest for w in weights]
+        total = math.fsum(weights)
+    return None if total == 0 else [w / total for w in weights]
 
 
 def combine_inputs(trees: list[Any], names: list[str], non_float: str,
@@ -288,6 +294,23 @@ def cast_leaf(source: _leaf.ArrayLeaf, dtype_name: str, keypath: str, warn: Call
                                    f"{dtype_name}'s range and became inf")
 
     return _leaf.ComputedLeaf(source.shape, dtype_name, fill=fill, inputs=[source])
+
+
+def cast_floats(tree: Any, dtype: str | None, report: AverageReport) -> Any:
+    """``tree`` with its float leaves rounded to ``dtype`` (lazily: ``cast_leaf``), the rest
+    as they are; overflow to inf said in ``report``'s messages."""
+    if dtype is None:
+        return tree
+
+    def cast(kp: tuple, x: Any) -> Any:
+        if not _leaf.is_array(x):
+            return x
+        leaf = _leaf.as_leaf(x)
+        if not _dtypes.is_float(leaf.dtype_name) or leaf.dtype_name == dtype:
+            return x
+        return cast_leaf(leaf, dtype, format_keypath(kp), report.messages.append)
+
+    return _tree.map_leaves(cast, tree)
 
 
 _scratch = threading.local()

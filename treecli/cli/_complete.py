@@ -63,7 +63,7 @@ def choices(*values: str) -> Callable[[str], list[str]]:
 
 
 def complete_methods(incomplete: str) -> list[str]:
-    from treecli._merge import METHODS
+    from treecli.merge_methods import METHODS
 
     return [name for name in METHODS if name.startswith(incomplete)]
 

@@ -11,6 +11,7 @@ from treecli.cli import _options as opt
 from treecli.cli._common import open_input, parse_weights, report_written, write_output, written_json
 from treecli.cli._complete import complete_methods
 from treecli.cli._output import Output
+from treecli.merge_methods import METHODS
 
 
 def merge(
@@ -24,9 +25,7 @@ def merge(
              "dtype, out_dtype. Its models are any paths or URLs treecli reads.")] = None,
     method: Annotated[Optional[str], typer.Option(
         "--method", "-m", show_default=False, autocompletion=complete_methods,
-        help="linear, task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs, breadcrumbs_ties, della, "
-             "della_linear, slerp, nuslerp, multislerp, karcher, model_stock, nearswap, ram, ramplus_tl, sce, "
-             "arcee_fusion or passthrough.")] = None,
+        help=f"{', '.join(METHODS[:-1])} or {METHODS[-1]} (docs/merging.md says what each computes).")] = None,
     base: Annotated[Optional[str], typer.Option("--base", help="The base model the task vectors (model - base) are "
                                                 "taken from; for slerp, the model at t = 0.",
                                                 show_default=False)] = None,
@@ -130,7 +129,7 @@ def merge(
 def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern: str | None, non_float: str,
                   format, force: bool, max_shard_size, drop_unsupported: bool, like, json: bool) -> None:
     from treecli._api import merge_config_file
-    from treecli._merge import merge_config
+    from treecli._configmerge import merge_config
 
     config = merge_config_file(path)
     with contextlib.ExitStack() as stack:

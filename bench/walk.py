@@ -1,0 +1,60 @@
+"""The walk of one treecli command: which of treecli's functions it calls ("steps": each
+distinct function, counted once; module bodies run by imports are not) and in which
+modules ("rooms"), in the order first entered. A measure of how many places a reader must visit to follow a command, for the
+architecture issues (41): compare before and after a change on the same command.
+
+    python bench/walk.py show examples/tiny.safetensors
+    python bench/walk.py merge --config merge.yml -o out.safetensors --force
+    python bench/walk.py --list show examples/tiny.safetensors   # every step, in order
+
+Runs the command in this process (``treecli.cli.main``) under ``sys.setprofile``; the
+command's own output goes where it always does, the walk to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "treecli"
+
+
+def walk(argv: list[str]) -> tuple[list[str], list[str], int]:
+    """The steps and rooms of ``treecli ARGV``, and its exit status."""
+    from treecli.cli import main
+
+    steps: dict[str, None] = {}
+    rooms: dict[str, None] = {}
+
+    def profile(frame, event, _arg):
+        if event != "call" or frame.f_code.co_name == "<module>":  # (an import is not a step)
+            return
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(PACKAGE):
+            module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+            steps.setdefault(f"{module}.{frame.f_code.co_qualname}", None)
+            rooms.setdefault(module, None)
+
+    sys.setprofile(profile)
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    finally:
+        sys.setprofile(None)
+    return list(steps), list(rooms), status
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    listing = argv[:1] == ["--list"]
+    steps, rooms, status = walk(argv[1:] if listing else argv)
+    if listing:
+        print("\n".join(steps), file=sys.stderr)
+    print(f"treecli {' '.join(argv[1:] if listing else argv)}: {len(steps)} steps through {len(rooms)} rooms "
+          f"(exit {status})", file=sys.stderr)
+    print("rooms: " + ", ".join(r.removeprefix("treecli.") for r in rooms), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
