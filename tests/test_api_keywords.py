@@ -73,7 +73,7 @@ def test_a_tree_that_does_not_fit_says_its_first_differences_in_the_message(mana
 def test_save_verify_reads_the_output_back_before_it_replaces_anything(tmp_path, monkeypatch, name):
     import ml_dtypes
 
-    from treecli import _verify
+    from treecli.formats import _verify
 
     checked = []
     real = _verify.Verifier.__call__
@@ -94,3 +94,38 @@ def test_save_verify_that_fails_publishes_nothing(tmp_path, monkeypatch):
     with pytest.raises(treecli.TreecliError, match="verification failed") as info:
         treecli.save({"w": np.ones(3, np.float32)}, tmp_path / "v.safetensors", verify=True)
     assert "w: the reference differs" in info.value.details and not list(tmp_path.iterdir())
+
+
+def test_cast_and_quantize_are_convert_s_dtype_as_library_calls(tmp_path):
+    """``treecli.cast`` and ``treecli.quantize`` are what ``convert --dtype`` runs: the
+    same output bytes, and a JAX pytree comes back as its own type."""
+    import ml_dtypes
+    from gguf import GGUFReader
+    from safetensors.numpy import load_file, save_file
+
+    from treecli.cli import main
+
+    rng = np.random.default_rng(0)
+    weights = {"w": rng.standard_normal((4, 64)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32),
+               "step": np.array(7, np.int64)}
+    save_file(weights, str(tmp_path / "m.safetensors"))
+
+    half, report = treecli.cast(weights, "bf16")
+    assert half["w"].dtype == ml_dtypes.bfloat16 and half["step"].dtype == np.int64 and not report.warnings()
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "h.safetensors"), "--dtype", "bf16",
+                 "-q"]) == 0
+    assert load_file(str(tmp_path / "h.safetensors"))["w"].tobytes() == half["w"].tobytes()
+    huge, report = treecli.cast({"x": np.array([1e6], np.float32)}, "float16")
+    assert np.isinf(huge["x"]).all() and "outside float16's range" in report.warnings()[0]
+
+    quantized = treecli.quantize(treecli.load(tmp_path / "m.safetensors"), "q8_0")
+    treecli.save(quantized, tmp_path / "api.gguf")
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "cli.gguf"), "--dtype", "q8_0",
+                 "-q"]) == 0
+    api, cli = ({t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(tmp_path / name).tensors}
+                for name in ("api.gguf", "cli.gguf"))
+    assert api == cli and api["w"][0] == "Q8_0" and api["b"][0] == "F32"
+    # read, a quantized leaf holds what a GGUF reader gets back
+    assert np.asarray(quantized["w"]).tobytes() == np.asarray(treecli.load(tmp_path / "api.gguf")["w"]).tobytes()
+    with pytest.raises(treecli.UsageError, match="cannot quantize to 'q3_k'"):
+        treecli.quantize(weights, "q3_k")

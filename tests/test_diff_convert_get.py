@@ -154,7 +154,7 @@ def test_convert_from_orbax_reads_each_array_once_and_checks_what_it_wrote(cli, 
     digest of the bytes written instead of reading the source again, and still catches
     an output that changed before it was published."""
     pytest.importorskip("orbax.checkpoint")
-    from treecli import _verify
+    from treecli.formats import _verify
     from treecli.formats import orbax
 
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, BF16), "note": "kept by Orbax only"}

@@ -734,3 +734,92 @@ def test_verification_names_a_leaf_whose_shape_or_dtype_the_output_declares_othe
     assert_clean_error(result, "verification failed")
     assert f"a: [40, 25] float32 -> {shown}" in result.stderr and "c:" not in result.stderr
     assert not out.exists()
+
+
+def _corrupting_the_leaf(monkeypatch, keypath: str) -> None:
+    """The writer's last byte of ``keypath`` changed after it was written (and digested)."""
+    from treecli._bytes import writer
+
+    original = writer.write_leaf
+
+    def corrupting(f, leaf, **kwargs):
+        original(f, leaf, **kwargs)
+        if kwargs["keypath"] == keypath:
+            f.seek(-1, os.SEEK_CUR)
+            f.write(b"\x7f")
+
+    monkeypatch.setattr(writer, "write_leaf", corrupting)
+
+
+@pytest.mark.parametrize("command", [
+    ["average", "{a}", "{b}"], ["merge", "--method", "ties", "--base", "{a}", "{b}", "--density", "0.5"],
+    ["edit", "{a}", "--scale", "pooler.**=2"], ["slice", "{a}", "--index", "encoder.**=:1"],
+    ["convert", "{a}"], ["get", "{a}", "pooler"],
+])
+def test_every_command_that_writes_verifies_with_verify(cli, tmp_path, monkeypatch, command):
+    """--verify (convert: always; get: always) reads the output back before it is
+    published: a byte changed after it was written keeps the previous output."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file(weights(0), str(a))
+    save_file(weights(1), str(b))
+    out = tmp_path / "out.safetensors"
+    args = [part.format(a=a, b=b) for part in command] + ["-o" if command[0] not in ("convert",) else "", out]
+    args = [x for x in args if x != ""]
+    extra = [] if command[0] in ("convert", "get") else ["--verify"]
+    good = cli(*args, *extra, "--force")
+    assert good.code == 0, good.stderr
+    assert "verified: every leaf is bit-exact" in good.stderr or command[0] == "get"
+    out.write_bytes(b"the previous output")
+    _corrupting_the_leaf(monkeypatch, "pooler.b")
+    result = cli(*args, *extra, "--force")
+    assert_clean_error(result, "verification failed")
+    assert "pooler.b" in result.stderr
+    assert out.read_bytes() == b"the previous output" and temporaries(tmp_path) == []
+    if command[0] not in ("convert", "get"):  # without --verify, the write path does not read it back
+        assert cli(*args, "--force").code == 0
+
+
+def test_an_in_place_edit_with_verify_keeps_the_checkpoint_when_the_check_fails(cli, tmp_path, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    save_file(weights(), str(src))
+    before = src.read_bytes()
+    _corrupting_the_leaf(monkeypatch, "pooler.b")
+    result = cli("edit", src, "--in-place", "--scale", "pooler.**=2", "--verify", "-q")
+    assert_clean_error(result, "verification failed")
+    assert src.read_bytes() == before and temporaries(tmp_path) == []
+    monkeypatch.undo()
+    assert cli("edit", src, "--in-place", "--scale", "pooler.**=2", "--verify").code == 0
+    assert (load_file(str(src))["pooler.b"] == weights()["pooler.b"] * 2).all()
+
+
+def test_verify_of_a_bucket_output_is_one_line(cli, tmp_path):
+    src = tmp_path / "m.safetensors"
+    save_file(weights(), str(src))
+    assert_clean_error(cli("edit", src, "--scale", "**=2", "--verify", "-o", "s3://bucket/m.safetensors"),
+                       "--verify reads a local output back")
+
+
+def test_verification_reads_an_orbax_output_and_its_source_again_and_names_a_difference(cli, tmp_path, monkeypatch):
+    """An Orbax output's leaves are not digested as they are written: both sides are read
+    again and compared, bytes for arrays and values for the rest."""
+    pytest.importorskip("orbax.checkpoint")
+    from treecli.formats import _orbax_write
+
+    src = tmp_path / "m.safetensors"
+    save_file(weights(), str(src))
+    assert cli("convert", src, tmp_path / "good", "--format", "orbax").code == 0
+    original = _orbax_write.write
+
+    def perturbed(tree, target, options):
+        from treecli import _tree
+        from treecli._keypath import format_keypath
+
+        changed = _tree.map_leaves(lambda kp, x: np.asarray(x.read()) + 1 if format_keypath(kp) == "pooler.b" else x,
+                                   tree)
+        return original(changed, target, options)
+
+    monkeypatch.setattr(_orbax_write, "write", perturbed)
+    result = cli("convert", src, tmp_path / "bad", "--format", "orbax", "-q")
+    assert_clean_error(result, "verification failed")
+    assert "pooler.b" in result.stderr and "the bytes written differ" in result.stderr
+    assert not (tmp_path / "bad").exists()

@@ -30,6 +30,8 @@ _EXPORTS = {
     "Edits": "treecli._edit",
     "at": "treecli._api",
     "diff": "treecli._api",
+    "cast": "treecli._api",
+    "quantize": "treecli._api",
     "jax_keypath": "treecli._api",
     "format_keypath": "treecli._keypath",
     "parse_keypath": "treecli._keypath",
@@ -40,6 +42,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
     from treecli._api import at as at, average as average, diff as diff, edit as edit, jax_keypath as jax_keypath
     from treecli._api import load as load, merge as merge, open as open, save as save, slice_tree as slice_tree
+    from treecli._api import cast as cast, quantize as quantize
     from treecli._edit import Edits as Edits
     from treecli._errors import FormatError as FormatError, KeyPathError as KeyPathError
     from treecli._errors import StructureError as StructureError, TreecliError as TreecliError

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slice, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
-from treecli.formats import WriteOptions, held_by, is_url, open_checkpoint, output_format, save as _save
+from treecli.formats import WriteOptions, open_checkpoint, save as _save
 from treecli.formats._base import Checkpoint
 
 
@@ -149,14 +149,7 @@ def save(
         metadata.setdefault(PRNG_KEYS_METADATA, json.dumps(keys, sort_keys=True))
     options = WriteOptions(metadata=metadata, max_shard_size=max_shard_size,
                            drop_unsupported=drop_unsupported, like=structure)
-    verifier = None
-    if verify and not is_url(path):
-        from treecli._verify import Verifier
-
-        fmt = output_format(Path(path), format, None)[0]
-        native = held_by(native, fmt, str(path))  # (what is written is what is checked)
-        verifier = Verifier(native, fmt, drop_unsupported, like=structure)
-    return _save(native, path, format=format, options=options, force=force, verify=verifier)
+    return _save(native, path, format=format, options=options, force=force, verify=verify)
 
 
 def average(trees: Sequence[Any], weights: Sequence[float] | None = None, **options: Any) -> tuple[Any, Any]:
@@ -243,6 +236,39 @@ def edit(tree: Any, edits: _edit.Edits) -> tuple[Any, Any]:
         edits = dataclasses.replace(edits, open_array=open_array)
     result, report = _edit.edit(native, edits)
     return _finish(result, [native], structure), report
+
+
+def cast(tree: Any, dtype: str) -> tuple[Any, Any]:
+    """Every floating-point leaf of any pytree as ``dtype`` (lazily, rounding to nearest
+    even; integer, bool and other leaves as they are): what ``treecli convert --dtype``
+    does. The report's ``warnings()`` name values outside the dtype's range (become inf),
+    found as the leaves are read.
+
+    Example:
+        >>> half, report = treecli.cast(treecli.load("model.safetensors"), "bfloat16")
+    """
+    from treecli import _combine, _dtypes
+
+    native, structure = _pytree.to_native(tree)
+    report = _combine.AverageReport()
+    result = _combine.cast_floats(native, _dtypes.parse(dtype), report)
+    return _finish(result, [native], structure), report
+
+
+def quantize(tree: Any, kind: str) -> Any:
+    """Any pytree with its float weights quantized to ``kind`` (``q8_0``, ``q5_1``,
+    ``q5_0``, ``q4_1`` or ``q4_0``) where llama.cpp would quantize them (two or more
+    dimensions, rows of whole blocks): saved into a ``.gguf`` file they are written
+    quantized, and read they hold the values a GGUF reader gets back. What
+    ``treecli convert --dtype q8_0`` does.
+
+    Example:
+        >>> treecli.save(treecli.quantize(treecli.load("model.safetensors"), "q8_0"), "model.gguf")
+    """
+    from treecli.formats import quantized
+
+    native, structure = _pytree.to_native(tree)
+    return _finish(quantized(native, kind), [native], structure)
 
 
 def diff(a: Any, b: Any, **options: Any) -> _diff.DiffResult:

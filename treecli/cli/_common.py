@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from treecli._errors import KeyPathError, TreecliError, UsageError, counted
 from treecli.cli._output import Output
@@ -64,10 +64,12 @@ def write_output(
     max_shard_size: str | None = None,
     drop_unsupported: bool = False,
     metadata: dict[str, Any] | None = None,
-    verify: Callable[[Path], None] | None = None,
+    verify: bool = False,
     decided: tuple[Any, bool] | None = None,
 ) -> str | Path:
-    """Write a tree the way every command does: atomically, streaming, with a progress bar.
+    """Write a tree the way every command does: atomically, streaming, with a progress bar;
+    with ``verify``, read back and compared bit for bit before it replaces anything (a
+    local output; an upload is checked by its checksums).
 
     ``in_place`` rewrites ``source`` where it lies (``target`` is then None). The output's
     format is decided once (``decided``, when the command needed it first: ``output_format``).
@@ -78,6 +80,9 @@ def write_output(
     from treecli._units import parse_size
 
     guessed_directory = None
+    if verify and target is not None and is_url(target):
+        raise UsageError("--verify reads a local output back; an upload to a bucket is checked by its checksums: "
+                         "leave --verify out", file=str(target))
     if target is not None and not is_url(target):
         target = Path(target)
         decided = decided or output_format(target, format, source.format)
@@ -95,11 +100,12 @@ def write_output(
             drop_unsupported=drop_unsupported,
             like=source.like,
             progress=advance,
+            stage=out.progress,
             warn=out.warn,
             source=str(source.file),
         )
         if in_place:
-            target = save_in_place(tree, source, format=format, options=options)
+            target = save_in_place(tree, source, format=format, options=options, verify=verify)
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify, decided=decided)

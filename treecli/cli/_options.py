@@ -83,6 +83,10 @@ MaxShardOpt = Annotated[
     typer.Option("--max-shard-size", help="Shard a safetensors directory output (e.g. 5GB, 500MiB).",
                  show_default=False),
 ]
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify", help="Read the output back and check every leaf bit for bit before it replaces anything (a local "
+                     "output; convert always does).")]
+VERIFIED = "verified: every leaf is bit-exact"  # the note of a verified output
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
 DropUnsupportedOpt = Annotated[
     bool, typer.Option("--drop-unsupported", help="Drop leaves the output format cannot hold, with a warning."),

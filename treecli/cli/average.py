@@ -28,6 +28,7 @@ def average(
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
+    verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     like: opt.LikeOpt = None,
@@ -60,7 +61,7 @@ def average(
         tree, report = average_trees([c.tree for c in opened], given, names=names,
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)
         written = write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        notes, warnings = report.notes(), report.warnings()
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, inputs=names, weights=given, normalize=not no_normalize) if json else None)

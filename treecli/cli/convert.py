@@ -45,38 +45,25 @@ def convert(
         treecli convert model.safetensors ckpt_dir --format orbax
         treecli convert model.safetensors layer0.safetensors --where 'model.layers.0.**'
     """
-    from treecli import _dtypes, _leaf, _tree
-    from treecli._combine import cast_leaf
-    from treecli._edit import EditReport
-    from treecli._keypath import format_keypath
-    from treecli._verify import Verifier
+    from treecli import _dtypes, _tree
+    from treecli._combine import AverageReport, cast_floats
     from treecli._errors import UsageError, option
-    from treecli.formats import GGUF_QUANTIZATIONS, held_by, is_url, output_format, quantized_in_gguf
+    from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantized
 
     out = Output(quiet=quiet)
     with open_input(out, source, input_format, step, like) as ckpt, about(source):
         tree = _tree.selected(ckpt.tree, where) if where else ckpt.tree
-        report = EditReport()
+        report = AverageReport()  # (a cast's warnings fill in as the output is written)
         if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights
-            if output_format(Path(target), format, ckpt.format)[0].name != "gguf":
+            if is_url(target) or output_format(Path(target), format, ckpt.format)[0].name != "gguf":
                 raise UsageError(f"{option('dtype', dtype)} quantizes into a GGUF file; name a .gguf output")
-            tree = _tree.map_leaves(lambda kp, x: quantized_in_gguf(_leaf.as_leaf(x), dtype.lower())
-                                    if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name) else x, tree)
+            tree = quantized(tree, dtype)
         elif dtype:
-            name = _dtypes.parse(dtype)
-            tree = _tree.map_leaves(
-                lambda kp, x: cast_leaf(_leaf.as_leaf(x), name, format_keypath(kp), report.warnings.append)
-                if _leaf.is_array(x) and _dtypes.is_float(_leaf.as_leaf(x).dtype_name)
-                and _leaf.as_leaf(x).dtype_name != name else x, tree)
+            tree = cast_floats(tree, _dtypes.parse(dtype), report)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
-        decided = None if is_url(target) else output_format(Path(target), format, ckpt.format)
-        if decided:  # (what the verification compares: the tree as the format will hold it)
-            tree = held_by(tree, decided[0], target)
-        verify = None if no_verify or decided is None else Verifier(
-            tree, decided[0], drop_unsupported, progress=out.progress, like=ckpt.like)
+        verify = not no_verify and not is_url(target)
         written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
-                               decided=decided)
-        notes = ["verified: every leaf is bit-exact"] if verify else []
-        report_written(out, written, notes=notes, warnings=report.warnings, json=written_json(
-            written, notes, report.warnings, input=str(source), verified=verify is not None) if json else None)
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        notes = [opt.VERIFIED] if verify else []
+        report_written(out, written, notes=notes, warnings=report.warnings(), json=written_json(
+            written, notes, report.warnings(), input=str(source), verified=verify) if json else None)

@@ -38,6 +38,7 @@ def edit(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     json: opt.JsonOpt = False,
@@ -79,8 +80,8 @@ def edit(
             return
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force, in_place=in_place,
-            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        report_written(out, written, warnings=report.warnings,
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        report_written(out, written, notes=[opt.VERIFIED] if verify and written else [], warnings=report.warnings,
                        json=_render.changes_json(report.rows, written) if json else None)
 
 

@@ -106,7 +106,7 @@ def _write_subtree(out, ckpt, keypath: str, output: Path, force: bool, json: boo
     from treecli.cli._common import report_written, write_output, written_json
 
     written = write_output(out, _tree.selected(ckpt.tree, [keypath]), output, source=ckpt, inputs=[ckpt],
-                           format=None, force=force)
+                           format=None, force=force, verify=True)
     report_written(out, written, json=written_json(written, [], [], input=ckpt.file, keypath=keypath)
                    if json else None)
 
@@ -115,12 +115,10 @@ def _write_npy(out, leaf, path: Path, force: bool, keypath: str, source) -> None
     """One leaf saved as a .npy file, as every output is saved (atomic, checked, verified)."""
     from treecli import _dtypes
     from treecli._errors import UsageError
-    from treecli._verify import Verifier
-    from treecli.formats import get as get_format, save
+    from treecli.formats import WriteOptions, save
 
     if _dtypes.needs_ml_dtypes(leaf.dtype_name):
         raise UsageError(f"the .npy format cannot name {leaf.dtype_name}; write it where it keeps its dtype: "
                          f"treecli get {_quoted(source.file)} {_quoted(keypath)} -o {_quoted(path.stem)}.safetensors",
                          file=str(path), keypath=keypath)
-    save(leaf, path, format="npy", inputs=[source], force=force,
-         verify=Verifier(leaf, get_format("npy"), dropped_allowed=False, progress=out.progress))
+    save(leaf, path, format="npy", inputs=[source], force=force, options=WriteOptions(stage=out.progress), verify=True)

@@ -62,6 +62,7 @@ def merge(
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
+    verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     like: opt.LikeOpt = None,
@@ -100,7 +101,7 @@ def merge(
         if given:
             raise UsageError(f"--config {config!r} says what to merge; {given[0]} belongs in it")
         return _merge_config(out, config, output, seed, layer_pattern, non_float, format, force, max_shard_size,
-                             drop_unsupported, like, json)
+                             drop_unsupported, like, json, verify)
     if method is None:
         raise UsageError("name the method with --method, or give a mergekit config with --config")
     if not checkpoints:
@@ -120,14 +121,15 @@ def merge(
         source = base_checkpoint or opened[0]
         written = write_output(out, tree, output, source=source,
                                inputs=[*opened, *([base_checkpoint] if base else [])], format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        notes, warnings = report.notes(), report.warnings()
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, method=method, base=base, inputs=list(checkpoints)) if json else None)
 
 
 def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern: str | None, non_float: str,
-                  format, force: bool, max_shard_size, drop_unsupported: bool, like, json: bool) -> None:
+                  format, force: bool, max_shard_size, drop_unsupported: bool, like, json: bool,
+                  verify: bool) -> None:
     from treecli._api import merge_config_file
     from treecli._configmerge import merge_config
 
@@ -138,8 +140,9 @@ def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern:
                                     non_float=non_float, layer_pattern=layer_pattern)
         first = next(iter(opened.values()))
         written = write_output(out, tree, output, source=first, inputs=list(opened.values()), format=format,
-                               force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
-        notes, warnings = report.notes(), report.warnings()
+                               force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported,
+                               verify=verify)
+        notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, method=config.method, base=config.base_model, inputs=config.models(),
             config=path) if json else None)

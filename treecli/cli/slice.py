@@ -29,6 +29,7 @@ def slice_(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
     json: opt.JsonOpt = False,
@@ -80,7 +81,9 @@ def slice_(
             return
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
-            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported)
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        if verify and written:
+            notes.append(opt.VERIFIED)
         rows = [(k, f"{_render.format_shape(b)} {d}", f"{_render.format_shape(a)} {d}", f"index {r}")
                 for k, b, a, d, r in report.changed]
         report_written(out, written, notes=notes,

@@ -49,12 +49,27 @@ def get(name: str) -> Format:
 GGUF_QUANTIZATIONS = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
-def quantized_in_gguf(leaf: Any, kind: str) -> Any:
-    """``leaf`` to be written into a GGUF output quantized to ``kind`` (one of
-    ``GGUF_QUANTIZATIONS``) where llama.cpp would quantize it, else as it is."""
+def quantized(tree: Any, kind: str) -> Any:
+    """``tree`` with each float leaf quantized to ``kind`` (one of ``GGUF_QUANTIZATIONS``)
+    where llama.cpp would quantize it (two or more dimensions, rows of whole blocks), the
+    rest as it is: written quantized into a GGUF output, and read as the values a GGUF
+    reader gets back (quantized, then dequantized) anywhere.
+
+    Raises:
+        UsageError: a kind GGUF's writer does not quantize to.
+    """
+    from treecli import _dtypes, _leaf
     from treecli.formats import gguf
 
-    return gguf.quantizing(leaf, kind)
+    if kind.lower() not in GGUF_QUANTIZATIONS:
+        raise UsageError(f"cannot quantize to {kind!r}; choose one of {', '.join(GGUF_QUANTIZATIONS)}")
+
+    def leaf(_kp: tuple, x: Any) -> Any:
+        if not _leaf.is_array(x) or not _dtypes.is_float(_leaf.as_leaf(x).dtype_name):
+            return x
+        return gguf.quantizing(_leaf.as_leaf(x), kind.lower())
+
+    return _tree.map_leaves(leaf, tree)
 
 
 def open_array(path: str | Path) -> Any:
@@ -211,7 +226,7 @@ def save(
     options: WriteOptions | None = None,
     inputs: Sequence[Checkpoint | Path] = (),
     force: bool = False,
-    verify: Callable[[Path], None] | None = None,
+    verify: bool = False,
     decided: tuple[Format, bool] | None = None,
 ) -> str | Path:
     """Write ``tree`` to ``target`` atomically, streaming leaf by leaf.
@@ -221,12 +236,14 @@ def save(
 
     What may be replaced follows ``_outputs``: never an input (every file of
     ``inputs``), never a special file, an existing output only with ``force``,
-    an existing directory only when nothing in it would be lost. ``verify`` is
-    called with the finished temporary before it is published.
+    an existing directory only when nothing in it would be lost. With ``verify``, the
+    finished temporary is opened by its own reader and compared with ``tree`` bit for
+    bit before it is published (``_verify.Verifier``); a difference publishes nothing.
 
     ``target`` may be an ``s3://`` or ``gs://`` URL: a safetensors object (streamed
     as a multipart or resumable upload that appears only when complete) or an
-    Orbax checkpoint (its commit marker uploaded last); ``verify`` is not used there.
+    Orbax checkpoint (its commit marker uploaded last); ``verify`` is not used there (an
+    upload is checked by its checksums: it cannot be read back before it appears).
 
     Returns:
         The path or URL written.
@@ -267,10 +284,19 @@ def save(
         if _holds_global_arrays(tree):
             _outputs.write_global(fmt, tree, target, options, sources, force)
         elif cluster is not None:
-            _outputs.write_together(fmt, tree, target, is_dir, options, sources, force, cluster, verify is not None)
+            _outputs.write_together(fmt, tree, target, is_dir, options, sources, force, cluster, verify)
         else:
-            _outputs.write(fmt, tree, target, is_dir, options, sources, force, verify)
+            _outputs.write(fmt, tree, target, is_dir, options, sources, force, _verifier(tree, fmt, options, verify))
     return target
+
+
+def _verifier(tree: Any, fmt: Format, options: WriteOptions, verify: bool) -> Callable[[Path], None] | None:
+    """The check of a finished temporary against ``tree`` (as ``fmt`` holds it), or None."""
+    if not verify:
+        return None
+    from treecli.formats._verify import Verifier
+
+    return Verifier(tree, fmt, options.drop_unsupported, progress=options.stage, like=options.like)
 
 
 def held_by(tree: Any, fmt: Format, file: str) -> Any:
@@ -296,8 +322,10 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
 
 
 def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,
-                  options: WriteOptions | None = None) -> Path:
-    """Rewrite an opened checkpoint where it lies: only its weight files change.
+                  options: WriteOptions | None = None, verify: bool = False) -> Path:
+    """Rewrite an opened checkpoint where it lies: only its weight files change. With
+    ``verify``, the rewritten file or directory is checked as ``save`` checks an output,
+    before it replaces the old one.
 
     Returns:
         The file or directory rewritten.
@@ -318,8 +346,10 @@ def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = Non
     fmt = get(checkpoint.format)
     if not fmt.writable:
         raise UsageError(f"treecli cannot write {fmt.name} files", file=checkpoint.file)
+    options = options or WriteOptions()
+    tree = held_by(tree, fmt, checkpoint.file)
     with _writing(Path(checkpoint.file)):
-        return _outputs.write_in_place(fmt, tree, checkpoint, options or WriteOptions())
+        return _outputs.write_in_place(fmt, tree, checkpoint, options, _verifier(tree, fmt, options, verify))
 
 
 def _holds_global_arrays(tree: Any) -> bool:

@@ -105,6 +105,9 @@ class WriteOptions:
     #: A ``writer.ReadBack`` for a verified output: each file's writer reads it back as it
     #: writes it (through its ``writer.Writeback``); None: not read back.
     readback: Any = None
+    #: A progress display for a stage of its own, ``stage(description, total_bytes)``: a
+    #: context giving an ``advance(nbytes)`` callable (the verification's). None: none shown.
+    stage: Callable[[str, int], Any] | None = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
     #: The input's file or URL as the user gave it, for the commands a hint suggests.

@@ -332,8 +332,10 @@ def _one_line(step: Callable[[], Any], target: Path) -> str | None:
     return None
 
 
-def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions) -> Path:
-    """Rewrite an input where it lies, changing only its weight files. Returns what was rewritten."""
+def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOptions,
+                   verify: Callable[[Path], None] | None = None) -> Path:
+    """Rewrite an input where it lies, changing only its weight files, ``verify`` (as
+    :func:`write`'s) called before the new files replace the old. Returns what was rewritten."""
     origin = checkpoint.origin
     if origin is None:
         raise UsageError("--in-place rewrites checkpoints on this machine; write a remote one's edit with -o",
@@ -345,20 +347,36 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
     # the new files are written beside the old ones, which stay until they are replaced
     check_room(fmt, tree, origin.path.parent if origin.layout in ("file", "sharded") else origin.path,
                Path(checkpoint.file))
-    if origin.layout == "file":
-        like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
-        if not stat.S_ISREG(like.st_mode):
-            raise UsageError("--in-place rewrites only regular files", file=str(origin.path))
-        with _atomic.atomic_file(origin.path, like=like) as tmp:
-            fmt.write(tree, tmp, options)
+    if origin.layout == "sharded" and verify:
+        raise UsageError("--verify checks a new output; an HF directory's shards are rewritten one by one in "
+                         "place: write the edit with -o to verify it", file=checkpoint.file)
+    if verify:
+        options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
+                                      readback=getattr(verify, "readback", None))
+    try:
+        if origin.layout == "file":
+            like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
+            if not stat.S_ISREG(like.st_mode):
+                raise UsageError("--in-place rewrites only regular files", file=str(origin.path))
+            with _atomic.atomic_file(origin.path, like=like) as tmp:
+                fmt.write(tree, tmp, options)
+                if verify:
+                    verify(tmp)
+                    writer.drop_cached(tmp)
+            return origin.path
+        if origin.layout == "sharded":
+            fmt.write_in_place(tree, origin, options)
+            return origin.path.parent
+        check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
+        with _atomic.atomic_directory(origin.path, replace=True) as built:
+            fmt.write(tree, built, options)
+            if verify:
+                verify(built)
+                writer.drop_cached(built)
         return origin.path
-    if origin.layout == "sharded":
-        fmt.write_in_place(tree, origin, options)
-        return origin.path.parent
-    check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
-    with _atomic.atomic_directory(origin.path, replace=True) as built:
-        fmt.write(tree, built, options)
-    return origin.path
+    finally:
+        if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
+            options.readback.close()
 
 
 def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
