@@ -291,7 +291,7 @@ def _complete(words: str) -> list[str]:
 
 @pytest.mark.parametrize("words, expected", [
     ("treecli merge a b -o o --method t", ["task_arithmetic", "ties"]),
-    ("treecli merge a b -o o --method d", ["dare_ties", "dare_linear", "della", "della_linear"]),
+    ("treecli merge a b -o o --method d", ["dare_linear", "dare_ties", "della", "della_linear"]),
     ("treecli average a b -o o --non-float ", ["last", "first", "error"]),
     ("treecli convert examples/tiny.safetensors x --format o", ["orbax"]),
     ("treecli show examples/tiny.safetensors --format s", ["safetensors"]),
