@@ -508,3 +508,23 @@ def test_an_oversized_index_object_is_refused_without_being_read_whole(clouds_fr
     clouds_fresh.counting.reset()
     assert_clean_error(cli("show", url), "is over")
     assert clouds_fresh.counting.bytes_served < 64 << 10
+
+
+@pytest.mark.parametrize("layouts", ["orbax+torch", "dcp-metadata-only"])
+def test_a_directory_is_recognised_in_one_order_wherever_it_lies(layouts, clouds_fresh, tmp_path, cli):
+    """A directory holding two layouts opens as the same one locally and in a bucket (the
+    registry's one order: safetensors, DCP, PyTorch, Orbax), and a DCP ``.metadata``
+    without its ``.distcp`` files is no DCP checkpoint in either place."""
+    pytest.importorskip("orbax.checkpoint")
+    local = tmp_path / "both"
+    treecli.save({"w": np.ones((2, 3), np.float32)}, local, format="orbax")
+    if layouts == "orbax+torch":
+        treecli.save({"w": np.full((2, 3), 2, np.float32)}, local / "pytorch_model.bin")
+    else:
+        (local / ".metadata").write_bytes(b"\x80\x04N.")  # (a pickle of None: no .distcp beside it)
+    url = f"s3://{BUCKET}/both-{layouts}"
+    _upload_tree(clouds_fresh, local, url)
+    here, there = cli("show", local, "--json"), cli("show", url, "--json")
+    assert here.code == 0 and there.code == 0, here.stderr + there.stderr
+    assert here.json["format"] == there.json["format"] == ("torch" if layouts == "orbax+torch" else "orbax")
+    assert without_file(here) == without_file(there)

@@ -59,3 +59,26 @@ def test_a_format_that_does_not_write_says_so(cli, toy, tmp_path, monkeypatch):
     assert result.code == 2 and "cannot write toy files" in result.stderr
     save_file({"w": np.ones(1, np.float32)}, str(tmp_path / "w.safetensors"))
     assert cli("convert", tmp_path / "w.safetensors", tmp_path / "y.toy").code == 2
+
+
+def test_every_place_is_a_folder_and_every_format_of_directories_opens_from_one(tmp_path):
+    """A local directory, a bucket prefix and an HTTP directory are each a ``Folder`` (the
+    typed protocol formats read through); every format the registry tries on directories
+    answers ``in_folder`` and opens from a folder, local or remote alike."""
+    from treecli import formats
+    from treecli.formats._base import Format
+    from treecli.formats._folder import BucketFolder, Folder, HttpFolder, LocalFolder
+
+    places = [LocalFolder(tmp_path), HttpFolder("https://example.invalid/run", "https://example.invalid/run/", {}),
+              BucketFolder("s3://bucket/run", None, {"driver": "s3", "bucket": "bucket", "path": "run/"},
+                           frozenset({"a.txt"}))]
+    for place in places:
+        assert isinstance(place, Folder), type(place).__name__
+        assert isinstance(place.child("x"), Folder)
+    assert [place.local_path for place in places] == [tmp_path, None, None]
+    for name in formats.DIRECTORIES:
+        fmt = formats.get(name)
+        assert type(fmt).in_folder is not Format.in_folder and type(fmt).open_folder is not Format.open_folder, name
+        assert isinstance(fmt.in_folder(LocalFolder(tmp_path)), str)  # an empty directory holds none of them
+    with pytest.raises(treecli.FormatError, match="no checkpoint here"):
+        formats.open_folder(LocalFolder(tmp_path))

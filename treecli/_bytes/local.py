@@ -75,6 +75,12 @@ class FileReader:
     command runs is an error, never names from one file and bytes from another.
     """
 
+    @classmethod
+    def opened(cls, path: str | os.PathLike) -> "FileReader":
+        """The reader of a regular file (a FIFO or a device is refused), its identity taken now."""
+        with open_regular(path) as f:
+            return cls(str(path), identity(os.fstat(f.fileno())))
+
     def __init__(self, path: str, file_identity: tuple[int, int, int, int] | None = None):
         self.path = str(path)
         self.identity = file_identity if file_identity is not None else identity(os.stat(self.path))
@@ -95,6 +101,18 @@ class FileReader:
             raise FormatError("the file changed since it was opened (replaced or rewritten); run the command "
                               "again", file=self.path)
         return fd
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer where the file ends), as a remote source's
+        ``read``: a header is parsed the same way from any place. (Not counted in
+        ``bytes_read``, which counts the data leaves read.)"""
+        with _POOL.descriptor(self) as fd:
+            try:
+                data = os.pread(fd, size, offset)
+            except OSError as e:
+                raise TreecliError(f"cannot read {size} bytes at byte {offset}: {e.strerror or e}",
+                                   file=self.path) from e
+        return data
 
     def read_into(self, buffer, offset: int) -> None:
         """Fill a C-contiguous NumPy array with the bytes at ``offset``."""

@@ -291,3 +291,30 @@ def map_on_two_threads(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
 
     each_on_two_threads(run, range(len(items)))
     return results
+
+
+def map_at_once(fn: Callable[[Any], Any], items: Sequence[Any], width: int) -> list:
+    """``fn(item)`` for each item, ``width`` at a time on threads of their own (requests
+    that each wait a round trip: a sharded repository's headers), the results in the
+    items' order; the first failure, in that order, raised once all have finished."""
+    if width <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    results: list = [None] * len(items)
+    slots = threading.Semaphore(width)
+
+    def run(index: int) -> None:
+        with slots:
+            try:
+                results[index] = (True, fn(items[index]))
+            except BaseException as e:  # handed to the caller's thread
+                results[index] = (False, e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(items))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for ok, value in results:
+        if not ok:
+            raise value
+    return [value for _, value in results]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
-from treecli.formats._base import WRITES, Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
 
 # Each format's class, as "module:Class". Order matters only for sniffing: the first
 # format whose sniff accepts wins.
@@ -79,8 +79,9 @@ def open_array(path: str | Path) -> Any:
     return npy.open_array(Path(path))
 
 
-def detect(path: Path) -> Format:
-    """The format of a file or directory, from its bytes or layout, then its extension.
+def detect(path: Path, step: int | None = None) -> Format:
+    """The format of a file, from its bytes, then its extension; of a directory, as every
+    folder's is found wherever it lies (``detect_folder``).
 
     Raises:
         UsageError: the path does not exist.
@@ -90,6 +91,10 @@ def detect(path: Path) -> Format:
     if not path.exists():
         raise UsageError("no such file or directory", file=str(path))
     _refuse_special(path)
+    if path.is_dir():
+        from treecli.formats._folder import LocalFolder
+
+        return detect_folder(LocalFolder(path), step)
     reasons = []
     for name in FORMATS:
         fmt = get(name)
@@ -108,8 +113,7 @@ def detect(path: Path) -> Format:
         fmt = get(name)
         if any(path.name.endswith(ext) for ext in fmt.extensions):
             return fmt
-    kind = "directory" if path.is_dir() else "file"
-    raise FormatError(f"not a checkpoint treecli can read ({kind}; {'; '.join(reasons)})", file=str(path))
+    raise FormatError(f"not a checkpoint treecli can read (file; {'; '.join(reasons)})", file=str(path))
 
 
 URL_SCHEMES = ("http://", "https://", "hf://", "s3://", "gs://")  # read by byte ranges (_remote)
@@ -128,14 +132,14 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     ``gs://BUCKET/KEY`` (safetensors, HF layouts and Orbax checkpoints).
     """
     if is_url(path):
-        from treecli.formats import _remote  # urllib only when a URL is given
+        url = path
 
         def opening() -> Checkpoint:
-            return _remote.open_remote(path, format, options.get("step"))
+            return _open_url(url, format, options.get("step"))
         name = format or "a remote checkpoint"
     else:
         path = Path(path)
-        fmt = get(format) if format else detect(path)
+        fmt = get(format) if format else detect(path, options.get("step"))
         if format:
             if not path.exists():
                 raise UsageError("no such file or directory", file=str(path))
@@ -156,6 +160,70 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
     if checkpoint.origin is None and isinstance(path, Path) and path.is_file():  # the single-file formats
         checkpoint.origin = Origin("file", path, [path])
     return checkpoint
+
+
+def _open_url(url: str, format: str | None, step: int | None) -> Checkpoint:
+    """A checkpoint at a URL: the file it names, opened by its format from its folder, or
+    the checkpoint in the folder it names (``open_folder``)."""
+    from treecli.formats import _remote  # urllib only when a URL is given
+
+    folder, entry = _remote.locate(url, format, step)
+    if entry is None:
+        return open_folder(folder, format, step)
+    checkpoint = get(format or _remote.format_of(entry)).open_folder(folder, step=step, entry=entry)
+    checkpoint.file = url  # (as the user wrote it: a query string and all)
+    return checkpoint
+
+
+# The order in which a directory's format is recognised, the same wherever it lies (a
+# local directory, a bucket prefix, an HTTP directory or Hub repository): an HF
+# directory's safetensors weights, a DCP checkpoint, an HF directory's PyTorch weights,
+# an Orbax checkpoint.
+DIRECTORIES = ("safetensors", "dcp", "torch", "orbax")
+
+
+def detect_folder(folder: Any, step: int | None = None) -> Format:
+    """The format of the checkpoint in a folder, the first of ``DIRECTORIES`` that finds
+    one (with ``step``, Orbax: only it has steps).
+
+    Raises:
+        FormatError: none does (each says why not).
+    """
+    if step is not None:  # (Orbax's own opening says what a folder without that step holds)
+        return get("orbax")
+    reasons = []
+    for fmt in map(get, DIRECTORIES):
+        reason = fmt.in_folder(folder)
+        if reason is None:
+            return fmt
+        reasons.append(f"{fmt.name}: {reason}")
+    raise _nothing_in(folder, reasons)
+
+
+def open_folder(folder: Any, format: str | None = None, step: int | None = None) -> Checkpoint:
+    """The checkpoint in a folder anywhere, by ``format``, else by the first of
+    ``DIRECTORIES`` that finds one. A folder that cannot be listed (HTTP) is asked for
+    files by name: where a format only presumed its file (a repository's
+    ``model.safetensors``) and it is not there, the next format is tried."""
+    if format is not None or step is not None:
+        return get(format or "orbax").open_folder(folder, step=step)
+    reasons = []
+    for fmt in map(get, DIRECTORIES):
+        reason = fmt.in_folder(folder)
+        if reason is None:
+            try:
+                return fmt.open_folder(folder, step=step)
+            except NotInFolder as e:
+                reason = e.message
+        reasons.append(f"{fmt.name}: {reason}")
+    raise _nothing_in(folder, reasons)
+
+
+def _nothing_in(folder: Any, reasons: list[str]) -> FormatError:
+    how = "" if folder.listable else (" (an HTTP directory cannot be listed: name a file, or a CheckpointManager "
+                                      "step with --step)")
+    return FormatError(f"no checkpoint here: not a checkpoint treecli can read ({'; '.join(reasons)}){how}",
+                       file=folder.name)
 
 
 def _refuse_special(path: Path) -> None:

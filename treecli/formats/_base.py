@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+from treecli._errors import FormatError
+
 
 @dataclass
 class Origin:
@@ -169,6 +171,11 @@ class OutputPlan:
     last: Callable[[Path], None] | None = None  # given the directory
 
 
+class NotInFolder(FormatError):
+    """A folder that cannot be listed does not hold the file a format presumed it held
+    (an HTTP directory's ``model.safetensors``): the next format is tried."""
+
+
 class Format:
     """One checkpoint format: how to recognise it, open it lazily and write it.
 
@@ -215,8 +222,25 @@ class Format:
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         """Metadata now, lazy leaves for the data. ``like`` (a ``_pytree.Structure``) names
-        the leaves of a format that stores none; ``step`` picks a CheckpointManager step."""
+        the leaves of a format that stores none; ``step`` picks a CheckpointManager step.
+        A format of directories opens a local one through ``open_folder``."""
         raise NotImplementedError
+
+    def in_folder(self, folder: Any) -> str | None:
+        """None if ``folder`` (a ``_folder.Folder``: a local directory, a bucket prefix, an
+        HTTP directory) holds a checkpoint of this format, else why not. Directories are
+        tried in one order wherever they lie (the registry's ``DIRECTORIES``); a folder
+        that cannot be listed may be presumed to, ``open_folder`` then saying if not."""
+        return f"{self.name} checkpoints are files, not directories"
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        """The checkpoint in ``folder``, read through it whatever the place: ``entry`` is a
+        file of it the user named (a shard index, a weights file), else the one the format's
+        layout finds. Metadata now, lazy leaves for the data."""
+        from treecli._errors import UsageError
+
+        raise UsageError(f"treecli reads {self.name} checkpoints from local files only; copy it here first",
+                         file=folder.named(entry) if entry else folder.name)
 
     @property
     def written_extensions(self) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
 """A place that holds a checkpoint: a local directory, a key prefix in an S3 or GCS
-bucket, or an HTTP(S) directory (a Hub repository). What formats ask of one: which
-files and subdirectories it holds, a small file's text, a byte source for a file, and
-the TensorStore kvstore spec of a file or subdirectory.
+bucket, or an HTTP(S) directory (a Hub repository). ``Folder`` says what formats ask of
+one, whatever the place: which files and subdirectories it holds, a small file's text,
+a byte source for a file, and the TensorStore kvstore spec of a file or subdirectory.
+Every format that reads directories (or files over the network) opens from a Folder:
+one road, local or remote alike.
 
 A bucket's keys under the prefix are listed once, when it is opened, and the
 answers come from that list: a CheckpointManager root costs one listing, not a
@@ -15,7 +17,7 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from treecli._errors import FormatError
 
@@ -23,11 +25,58 @@ from treecli._bytes.local import MAX_TEXT_BYTES  # metadata files (_METADATA, _C
 MAX_KEYS = 1_000_000  # a listing longer than this is no checkpoint directory
 
 
+@runtime_checkable
+class Folder(Protocol):
+    """A place that holds a checkpoint's files, as formats read it."""
+
+    #: The place as the user names it (a path or URL), for messages and ``Checkpoint.file``.
+    name: str
+    #: Whether its files can be listed (an HTTP directory's cannot: they are asked for by name).
+    listable: bool
+    #: The directory on this machine, where it is one (``--in-place`` and companion files
+    #: need one); None for a remote place.
+    local_path: Path | None
+    #: How many files' headers are best read at once (a round trip each, remotely).
+    parallel_reads: int
+
+    def child(self, name: str) -> "Folder":
+        """The subdirectory ``name``."""
+
+    def named(self, name: str) -> str:
+        """A file's name as the user would write it (a path or URL), for messages."""
+
+    def files(self) -> list[str]:
+        """The names of the entries directly in it that are not directories (listable only)."""
+
+    def is_file(self, name: str) -> bool:
+        """Whether it holds a file ``name`` (asked for, where it cannot be listed)."""
+
+    def subfolders(self) -> list[str]:
+        """The names of its subdirectories (those it can know)."""
+
+    def read_text(self, name: str) -> str:
+        """A small file's text; an error if there is none."""
+
+    def text(self, name: str) -> str | None:
+        """A small file's text, or None if there is no such file."""
+
+    def reader(self, name: str) -> Any:
+        """A file as a byte source of ``treecli._bytes`` (``read``, ``read_into``, ``size``)."""
+
+    def kvstore(self, name: str = "") -> dict[str, Any]:
+        """The TensorStore kvstore spec of a file or subdirectory (Orbax's arrays)."""
+
+    def inside(self, name: str) -> str | None:
+        """``name`` if it stays inside the folder, else None (a path that escapes it)."""
+
+
 class LocalFolder:
     listable = True
+    parallel_reads = 1  # (local headers are read faster one after another than by threads)
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.local_path = self.path
         self.name = str(path)
 
     def child(self, name: str) -> "LocalFolder":
@@ -59,13 +108,15 @@ class LocalFolder:
         return read_text(self.path / name)
 
     def text(self, name: str) -> str | None:
-        """A small file's text, or None if there is no such file."""
-        return self.read_text(name) if self.is_file(name) else None
+        """A small file's text, or None if there is no such file (a FIFO or a device by
+        that name is refused, never taken for none)."""
+        return self.read_text(name) if os.path.lexists(self.path / name) else None
 
     def reader(self, name: str) -> Any:
+        """A regular file as a byte source (a FIFO or a device is refused)."""
         from treecli._bytes.local import FileReader
 
-        return FileReader(str(self.path / name))
+        return FileReader.opened(self.path / name)
 
     def kvstore(self, name: str = "") -> dict[str, Any]:
         return {"driver": "file", "path": os.path.abspath(self.path / name) + ("/" if name else "")}
@@ -78,13 +129,15 @@ class LocalFolder:
 
 
 class BucketFolder:
-    listable = True
+    local_path = None
+    parallel_reads = 16
 
     def __init__(self, url: str, store: Any, spec: dict[str, Any], keys: frozenset[str] | None):
         self.name = url.rstrip("/")
         self._store = store  # opened at the bucket's root; ``spec["path"]`` is this folder's prefix
         self._spec = spec
         self.keys = keys  # every key under the prefix, relative to it; None: not listed
+        self.listable = keys is not None
 
     @classmethod
     def unlisted(cls, url: str, store: Any, prefix: str) -> "BucketFolder":
@@ -168,6 +221,8 @@ class HttpFolder:
     CheckpointManager step's items are the ones its ``_CHECKPOINT_METADATA`` names."""
 
     listable = False
+    local_path = None
+    parallel_reads = 16
 
     def __init__(self, url: str, base: str, headers: dict[str, str], texts: dict[str, str | None] | None = None,
                  files: dict[str, str] | None = None):
@@ -186,6 +241,10 @@ class HttpFolder:
 
     def is_file(self, name: str) -> bool:
         return self.text(name) is not None
+
+    def files(self) -> list[str]:
+        """None known: an HTTP directory cannot be listed (``listable`` is false)."""
+        return []
 
     def reader(self, name: str) -> Any:
         """A file as a byte source, its size, identity and final location learnt."""
@@ -294,11 +353,14 @@ def companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
     return out
 
 
+def companions_of(folder: Folder, checkpoint_files: set[str]) -> list[Path]:
+    """A local folder's companions (``companions``); a remote one's are not copied."""
+    return companions(folder.local_path, checkpoint_files) if folder.local_path is not None else []
+
+
 def _relative_inside(name: str) -> str | None:
     """``name`` if, as a key under a prefix or a URL path, it stays below it (no leading
     ``/``, no ``..``, no empty segment), else None."""
     parts = name.split("/")
     return None if name.startswith("/") or ".." in parts or "" in parts else name
 
-
-Folder = LocalFolder | BucketFolder | HttpFolder

@@ -47,33 +47,38 @@ class DcpFormat(Format):
     extensions = ()
 
     def sniff(self, path: Path) -> str | None:
-        if not path.is_dir():
-            return "not a directory"
-        if not (path / METADATA).is_file():
-            return f"no {METADATA}"
-        return None if any(p.name.endswith(".distcp") for p in path.iterdir()) else "no .distcp files"
+        from treecli.formats._folder import LocalFolder
+
+        return self.in_folder(LocalFolder(path)) if path.is_dir() else "not a directory"
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         from treecli.formats._folder import LocalFolder
 
-        return open_folder(LocalFolder(Path(path)))
+        return self.open_folder(LocalFolder(Path(path)), step=step)
+
+    def in_folder(self, folder: Any) -> str | None:
+        """Its ``.metadata`` and ``.distcp`` files (listed; over HTTP, which cannot list them,
+        its ``.metadata`` asked for: it is binary, no text to fetch)."""
+        if folder.listable:
+            files = folder.files()
+            if METADATA not in files:
+                return f"no {METADATA}"
+            return None if any(name.endswith(".distcp") for name in files) else "no .distcp files"
+        from treecli._bytes.http import NotFoundError
+
+        try:
+            folder.reader(METADATA).close()
+        except NotFoundError:
+            return f"no {METADATA}"
+        return None
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        if step is not None or entry is not None:
+            return super().open_folder(folder, step=step, entry=entry)
+        return _open(folder)
 
 
-def in_folder(folder: Any) -> bool:
-    """Whether a remote ``Folder`` holds a DCP checkpoint: its ``.metadata`` (listed, or,
-    over HTTP, asked for: it is binary, no text to fetch)."""
-    from treecli._bytes.http import NotFoundError
-
-    if folder.listable:
-        return METADATA in folder.files()
-    try:
-        folder.reader(METADATA).close()
-    except NotFoundError:
-        return False
-    return True
-
-
-def open_folder(folder: Any) -> Checkpoint:
+def _open(folder: Any) -> Checkpoint:
     """A DCP checkpoint in a ``Folder``: a local directory, or one over HTTP, the Hub or in a
     bucket, every file read by byte ranges through its reader."""
     import numpy as np

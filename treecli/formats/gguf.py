@@ -15,17 +15,17 @@ first; a leaf's shape is NumPy's, the reverse. Names nest on ``.`` as safetensor
 from __future__ import annotations
 
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Any
 
 from treecli import _leaf
-from treecli._bytes.local import FileReader, identity, open_regular
-from treecli._errors import FormatError
+from treecli._bytes.local import open_regular
+from treecli._errors import FormatError, UsageError
 from treecli.formats import _flatkeys
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
+from treecli.formats._folder import LocalFolder
 from treecli.formats._gguf_layout import (ARRAY, ARRAYS, MAGIC, MAX_DIMS, MAX_KEYS, MAX_NESTING, MAX_TENSORS,
                                            SCALARS, STRING, MetaValue, QuantizedLeaf, type_name)
 
@@ -60,14 +60,25 @@ class GgufFormat(Format):
         return blocks(expected), blocks(found)
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
-        with open_regular(path) as f:
-            file_identity = identity(os.fstat(f.fileno()))
-        return open_source(FileReader(str(path), file_identity))
+        path = Path(path)
+        return self.open_folder(LocalFolder(path.parent), step=step, entry=path.name)
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        """A GGUF file (``entry``) anywhere, read by byte ranges through the folder: its
+        header now, its tensors lazy ranges of it."""
+        if entry is None or step is not None:
+            return super().open_folder(folder, step=step, entry=entry)
+        reader = folder.reader(entry)
+        if reader.size is None:  # (a bucket's answers say no size)
+            reader.close()
+            raise UsageError("treecli reads GGUF files over HTTP and from the Hub; from a bucket, copy the file "
+                             "here first", file=folder.named(entry))
+        return _open_source(reader)
 
 
-def open_source(reader: Any) -> Checkpoint:
-    """A GGUF file in a byte source of known ``size`` (a local file, an HTTP or bucket
-    object): its header read by ranges, its tensors lazy ranges of it."""
+def _open_source(reader: Any) -> Checkpoint:
+    """A GGUF file in a byte source of known ``size``: its header read by ranges, its
+    tensors lazy ranges of it."""
     checkpoint = Checkpoint(tree=None, format=GgufFormat.name, file=reader.path)
     checkpoint._closers.append(reader.close)
     header = _Header(reader)

@@ -48,15 +48,23 @@ class OrbaxFormat(Format):
     writes_to_buckets = True
 
     def sniff(self, path: Path) -> str | None:
-        if not path.is_dir():
-            return "not a directory"
-        if is_checkpoint(LocalFolder(path)):
+        return self.in_folder(LocalFolder(path)) if path.is_dir() else "not a directory"
+
+    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
+        return self.open_folder(LocalFolder(Path(path)), step=step)
+
+    def in_folder(self, folder: Folder) -> str | None:
+        if is_checkpoint(folder):
             return None
         return "no _METADATA, _CHECKPOINT_METADATA or step directories"
 
-    def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
-        _refuse_escaping_symlinks(Path(path))
-        return open_folder(LocalFolder(Path(path)), step)
+    def open_folder(self, folder: Folder, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        if entry is not None:
+            raise UsageError("an Orbax checkpoint is a directory; name the directory, not a file in it",
+                             file=folder.named(entry))
+        if folder.local_path is not None:
+            _refuse_escaping_symlinks(folder.local_path)
+        return open_folder(folder, step)
 
     def owns(self, name: str) -> bool:
         """Whether a directory entry is one Orbax's writer writes."""

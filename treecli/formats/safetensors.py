@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _atomic, _leaf
-from treecli._bytes import writer
-from treecli._bytes.local import FileReader, open_regular, read_text
-from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted
+from treecli._bytes import stream, writer
+from treecli._bytes.local import open_regular
+from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
-from treecli.formats._folder import INDEX_SUFFIX, companions
-from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, read_header, tensor_leaf
+from treecli.formats._base import Checkpoint, FilePlan, Format, NotInFolder, Origin, OutputPlan, WriteOptions
+from treecli.formats._folder import INDEX_SUFFIX, LocalFolder, companions_of, hf_weights
+from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, parse_header, tensor_leaf
 
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
 _OWNED = re.compile(r"model(-\d{5}-of-\d{5}(-\d+)?)?\.safetensors|model\.safetensors\.index\.json")
@@ -40,9 +40,7 @@ class SafetensorsFormat(Format):
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
-            if any(path.glob("*" + INDEX_SUFFIX)) or any(path.glob("*.safetensors")):
-                return None
-            return "directory has no *.safetensors files"
+            return self.in_folder(LocalFolder(path))
         if path.name.endswith(INDEX_SUFFIX):
             return None
         try:
@@ -61,10 +59,46 @@ class SafetensorsFormat(Format):
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
         if path.is_dir():
-            return _open_directory(path)
-        if path.name.endswith(INDEX_SUFFIX):
-            return _open_index(path)
-        return _open_file(path)
+            return self.open_folder(LocalFolder(path), step=step)
+        return self.open_folder(LocalFolder(path.parent), step=step, entry=path.name)
+
+    def in_folder(self, folder: Any) -> str | None:
+        try:
+            found = hf_weights(folder)
+        except FormatError:  # (several indexes: safetensors still, and opening says which to name)
+            return None
+        return None if found is not None else "no *.safetensors files"
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        """A safetensors file (``entry``), or an HF directory: its shard index (named, or
+        the one it holds) and shards, else its one ``*.safetensors`` file; in any place,
+        each header read through the folder's byte source (a remote repository's
+        several at once: one round trip, not one a shard)."""
+        if step is not None:
+            raise UsageError(f"{option('step', step)} picks a step of an Orbax CheckpointManager; this is safetensors",
+                             file=folder.named(entry) if entry else folder.name)
+        if entry is None:
+            found = hf_weights(folder)
+            if found is None:
+                raise FormatError("directory holds no *.safetensors file", file=folder.name)
+            kind, name = found
+        else:
+            kind, name = ("index" if entry.endswith(INDEX_SUFFIX) else "file"), entry
+        if kind == "index":
+            return _open_sharded(folder, name, file=folder.named(name) if entry or folder.local_path else folder.name)
+        if entry is None and not folder.listable:  # (an HTTP directory's model.safetensors, presumed)
+            from treecli._bytes.http import NotFoundError
+
+            try:
+                checkpoint = _open_file(folder, name)
+            except NotFoundError:
+                raise NotInFolder(f"no shard index or {name}", file=folder.name) from None
+        else:
+            checkpoint = _open_file(folder, name)
+        if entry is None:  # a directory of one file: it is the checkpoint, its other files its companions
+            checkpoint.file = folder.name
+            checkpoint.companions = companions_of(folder, {name})
+        return checkpoint
 
     def owns(self, name: str) -> bool:
         """Whether a directory entry is one treecli's writer writes (``-o DIR --force`` may replace it)."""
@@ -124,60 +158,66 @@ class SafetensorsFormat(Format):
 # reading
 
 
-def _open_file(path: Path) -> Checkpoint:
-    tensors, metadata, _, file_identity = read_header(path)
-    reader = FileReader(str(path), file_identity)
-    items = [(name, tensor_leaf(reader, offset, shape, dtype)) for name, (dtype, shape, offset) in tensors.items()]
+def _open_file(folder: Any, name: str) -> Checkpoint:
+    """One safetensors file of ``folder``: its header read and validated through the
+    folder's byte source, its leaves lazy byte ranges of it."""
+    reader, (tensors, metadata, _) = _header(folder, name)
+    items = [(key, tensor_leaf(reader, offset, shape, dtype)) for key, (dtype, shape, offset) in tensors.items()]
     tree, warning = _flatkeys.nest(items, ".")
-    checkpoint = Checkpoint(tree=tree, format="safetensors", file=str(path), metadata=dict(metadata),
-                            origin=Origin("file", path, [path]))
+    local = folder.local_path / name if folder.local_path is not None else None
+    checkpoint = Checkpoint(tree=tree, format="safetensors", file=folder.named(name), metadata=dict(metadata),
+                            origin=Origin("file", local, [local]) if local is not None else None)
     checkpoint.warnings.extend([warning] if warning else [])
     checkpoint._closers.append(reader.close)
     return checkpoint
 
 
-def _open_directory(path: Path) -> Checkpoint:
-    from treecli.formats._folder import LocalFolder, hf_weights
-
-    found = hf_weights(LocalFolder(path))
-    if found is None:
-        raise FormatError("directory holds no *.safetensors file", file=str(path))
-    kind, name = found
-    if kind == "index":
-        return _open_index(path / name)
-    checkpoint = _open_file(path / name)
-    checkpoint.file = str(path)
-    checkpoint.companions = companions(path, {name})
-    return checkpoint
-
-
-def _open_index(index_path: Path) -> Checkpoint:
-    file = str(index_path)
-    directory = index_path.parent
+def _header(folder: Any, name: str) -> tuple[Any, tuple]:
+    """A file's byte source and its parsed header (a bucket object's size learnt from it)."""
+    reader = folder.reader(name)
     try:
-        text = read_text(index_path)
+        size = reader.size if reader.size is not None else reader.check_end
+        return reader, parse_header(reader.read, size, folder.named(name))
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _open_sharded(folder: Any, index: str, file: str) -> Checkpoint:
+    """An HF sharded checkpoint: the index, then every shard's header (``folder.parallel_reads``
+    at once), every tensor checked to be where the index says."""
+    index_file = folder.named(index)
+    try:
+        text = folder.text(index)
     except (OSError, UnicodeDecodeError) as e:
-        raise FormatError(f"cannot read the shard index: {e}", file=file) from None
-    weight_map, shards = shard_names(text, file)
+        raise FormatError(f"cannot read the shard index: {e}", file=index_file) from None
+    if text is None:
+        raise FormatError("not found", file=index_file)
+    weight_map, shards = shard_names(text, index_file)
+    present = set(folder.files()) if folder.listable else None
     for shard in shards:
-        if not os.path.exists(directory / shard):  # a special file is refused when it is opened
-            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)", file=file)
-    checkpoint = Checkpoint(tree=None, format="safetensors", file=file,
-                            origin=Origin("sharded", index_path, [index_path] + [directory / s for s in shards]))
-    opened = {}
-    for shard in shards:
-        shard_path = directory / shard
-        try:
-            tensors, metadata, _, file_identity = read_header(shard_path)
-        except TreecliError as e:
-            raise e.with_file(str(shard_path))
-        opened[shard] = (FileReader(str(shard_path), file_identity), tensors, metadata)
+        if present is not None and shard not in present:  # (a special file is refused when it is opened)
+            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)",
+                              file=index_file)
+    local = folder.local_path
+    checkpoint = Checkpoint(tree=None, format="safetensors", file=file, origin=None if local is None else Origin(
+        "sharded", local / index, [local / index] + [local / s for s in shards]))
+    results = stream.map_at_once(lambda shard: _shard_header(folder, shard), shards, folder.parallel_reads)
+    opened = {shard: (reader, tensors, metadata) for shard, (reader, (tensors, metadata, _)) in zip(shards, results)}
     assemble_shards(checkpoint, weight_map, opened)
-    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in shards and not p.name.startswith("."))
-    if stray:
-        checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index_path.name}")
-    checkpoint.companions = companions(directory, set(shards) | {index_path.name})
+    if present is not None:
+        stray = sorted(n for n in present if n.endswith(".safetensors") and n not in shards and not n.startswith("."))
+        if stray:
+            checkpoint.warnings.append(f"ignoring {', '.join(stray)}: not named by the index {index}")
+    checkpoint.companions = companions_of(folder, set(shards) | {index})
     return checkpoint
+
+
+def _shard_header(folder: Any, shard: str) -> tuple[Any, tuple]:
+    try:
+        return _header(folder, shard)
+    except TreecliError as e:
+        raise e.with_file(folder.named(shard))
 
 
 def shard_names(text: str, file: str) -> tuple[dict[str, str], list[str]]:

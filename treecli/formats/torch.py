@@ -23,19 +23,18 @@ tensors may share a storage. Dotted keys nest as safetensors' names do, so that
 from __future__ import annotations
 
 import math
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from treecli import _dtypes, _leaf, _tree
-from treecli._bytes.local import FileReader, identity, open_regular, read_text
-from treecli._errors import FormatError, RefusedError
+from treecli._bytes.local import open_regular
+from treecli._errors import FormatError, RefusedError, UsageError, option
 from treecli.formats import _flatkeys, _zip
-from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._base import Checkpoint, Format, NotInFolder, Origin, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
-from treecli.formats._folder import companions
+from treecli.formats._folder import LocalFolder, companions_of
 from treecli.formats._unpickle import Global, Unpickler
 
 # The pickled object and the keys list of a legacy file are read from its first bytes,
@@ -220,7 +219,7 @@ class TorchFormat(Format):
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
-            return None if _weights_in(path) else f"no {_INDEX} or {_SINGLE}"
+            return self.in_folder(LocalFolder(path))
         if path.name.endswith(".bin.index.json"):
             return None
         with open_regular(path) as f:
@@ -238,22 +237,68 @@ class TorchFormat(Format):
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
         if path.is_dir():
-            checkpoint = self.open(path / (_weights_in(path) or _SINGLE))
-            checkpoint.file = str(path)
-            checkpoint.companions = companions(path, {p.name for p in checkpoint.origin.files})
-            return checkpoint
-        checkpoint = Checkpoint(tree=None, format=self.name, file=str(path), origin=Origin("file", path, [path]))
-        _fill(checkpoint, _open_index(path, checkpoint) if path.name.endswith(".bin.index.json")
-              else _open_file(path, checkpoint))
+            return self.open_folder(LocalFolder(path), step=step)
+        return self.open_folder(LocalFolder(path.parent), step=step, entry=path.name)
+
+    def in_folder(self, folder: Any) -> str | None:
+        """An HF directory's PyTorch weights: its shard index, else ``pytorch_model.bin``
+        (over HTTP, which cannot list it, presumed: opening says if it is not there)."""
+        if not folder.listable or {_INDEX, _SINGLE} & set(folder.files()):
+            return None
+        return f"no {_INDEX} or {_SINGLE}"
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        """A torch.save file (``entry``), or an HF directory of them: its shard index
+        (named, or ``pytorch_model.bin.index.json``) and shards, else its
+        ``pytorch_model.bin``; in any place, each read by byte ranges through the folder."""
+        if step is not None:
+            raise UsageError(f"{option('step', step)} picks a step of an Orbax CheckpointManager; this is PyTorch",
+                             file=folder.named(entry) if entry else folder.name)
+        name = entry or (_INDEX if folder.is_file(_INDEX) else _SINGLE)
+        local = folder.local_path
+        checkpoint = Checkpoint(tree=None, format=self.name, file=folder.named(name) if entry else folder.name)
+
+        def shard_items(shard: str) -> list[tuple[str, Any]]:
+            reader = folder.reader(shard)
+            checkpoint._closers.append(reader.close)
+            if reader.size is None:  # a bucket's answers say no size, and a zip is read from its end
+                raise UsageError("treecli reads PyTorch files over HTTP and from the Hub; from a bucket, copy the "
+                                 "file here first", file=folder.named(shard))
+            return source_items(reader, checkpoint.warnings)
+
+        if name.endswith(".bin.index.json"):
+            present = set(folder.files()) if folder.listable else None
+
+            def present_shard_items(shard: str) -> list[tuple[str, Any]]:
+                if present is not None and shard not in present:
+                    raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)",
+                                      file=folder.named(name))
+                return shard_items(shard)
+
+            items, shards = _shard_items(folder.read_text(name), folder.named(name), present_shard_items)
+            files = [name, *shards]
+        else:
+            items, files = self._single(folder, name, entry, shard_items), [name]
+        _fill(checkpoint, items)
+        if local is not None:
+            checkpoint.origin = Origin("sharded" if len(files) > 1 else "file", local / name,
+                                       [local / f for f in files])
+        if entry is None:
+            checkpoint.companions = companions_of(folder, set(files))
         return checkpoint
 
+    @staticmethod
+    def _single(folder: Any, name: str, entry: str | None, shard_items: Any) -> list[tuple[str, Any]]:
+        """One file's items; an HTTP directory's presumed ``pytorch_model.bin`` missing is
+        no PyTorch checkpoint (the next format is tried)."""
+        if entry is not None or folder.listable:
+            return shard_items(name)
+        from treecli._bytes.http import NotFoundError
 
-def open_source(source: Any) -> Checkpoint:
-    """A torch.save file in a byte source of known ``size`` (an HTTP or bucket object)."""
-    checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=source.path)
-    checkpoint._closers.append(source.close)
-    _fill(checkpoint, source_items(source, checkpoint.warnings))
-    return checkpoint
+        try:
+            return shard_items(name)
+        except NotFoundError:
+            raise NotInFolder(f"no {_INDEX} or {_SINGLE}", file=folder.name) from None
 
 
 def _fill(checkpoint: Checkpoint, items: list[tuple[str, Any]]) -> None:
@@ -272,20 +317,6 @@ def tree_of(items: list[tuple[str, Any]], warnings: list[str]) -> Any:
 
 _INDEX = "pytorch_model.bin.index.json"
 _SINGLE = "pytorch_model.bin"
-
-
-def _weights_in(directory: Path) -> str | None:
-    """An HF directory's PyTorch weights: its shard index, else ``pytorch_model.bin``."""
-    return next((name for name in (_INDEX, _SINGLE) if (directory / name).is_file()), None)
-
-
-def _open_file(path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
-    """One torch.save file's (dotted key, leaf or value) items; its reader closes with ``checkpoint``."""
-    with open_regular(path) as f:
-        file_identity = identity(os.fstat(f.fileno()))
-    reader = FileReader(str(path), file_identity)
-    checkpoint._closers.append(reader.close)
-    return source_items(reader, checkpoint.warnings)
 
 
 def source_items(source: Any, warnings: list[str] | None = None) -> list[tuple[str, Any]]:
@@ -310,48 +341,6 @@ def is_legacy(head: bytes) -> bool:
     except FormatError:  # (refusals included: a global is no magic number)
         return False
     return type(value) is int and value == _LEGACY_MAGIC_NUMBER
-
-
-def _open_index(index_path: Path, checkpoint: Checkpoint) -> list[tuple[str, Any]]:
-    """The items of every shard an HF ``pytorch_model.bin.index.json`` names."""
-    def shard_items(shard: str) -> list[tuple[str, Any]]:
-        if not (index_path.parent / shard).exists():
-            raise FormatError(f"shard {shard!r} named by the index is missing (interrupted download?)",
-                              file=str(index_path))
-        return _open_file(index_path.parent / shard, checkpoint)
-
-    items, shards = _shard_items(read_text(index_path), str(index_path), shard_items)
-    checkpoint.origin = Origin("sharded", index_path, [index_path] + [index_path.parent / s for s in shards])
-    return items
-
-
-def open_folder(folder: Any, url: str) -> Checkpoint | None:
-    """The PyTorch weights of a remote HF repository or directory (a ``Folder`` over HTTP,
-    the Hub or a bucket prefix): its ``pytorch_model.bin.index.json`` and shards, else its
-    ``pytorch_model.bin``; None when it holds neither."""
-    from treecli._bytes.http import NotFoundError
-
-    checkpoint = Checkpoint(tree=None, format=TorchFormat.name, file=url)
-
-    def shard_items(name: str) -> list[tuple[str, Any]]:
-        reader = folder.reader(name)
-        checkpoint._closers.append(reader.close)
-        if reader.size is None:
-            raise FormatError("its size is not in the bucket's answers; copy the checkpoint here first",
-                              file=f"{url}/{name}")
-        return source_items(reader, checkpoint.warnings)
-
-    text = folder.text(_INDEX)
-    if text is not None:
-        _fill(checkpoint, _shard_items(text, f"{url}/{_INDEX}", shard_items)[0])
-        return checkpoint
-    if folder.listable and _SINGLE not in folder.files():
-        return None
-    try:
-        _fill(checkpoint, shard_items(_SINGLE))
-    except NotFoundError:  # (an HTTP directory cannot be listed: asked for by name)
-        return None
-    return checkpoint
 
 
 def _shard_items(index_text: str, file: str, shard_items: Any) -> tuple[list[tuple[str, Any]], list[str]]:
