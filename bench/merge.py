@@ -12,6 +12,11 @@ base, against references measured in the same run:
       between the two outputs is reported.
 
     python bench/merge.py [--runs 3] [--gib 1] [--methods ties,slerp] [--mergekit PATH] [--mergekit-runs 3]
+                          [--before CHECKOUT]
+
+--before CHECKOUT also runs each method with another checkout of treecli (a git worktree
+of the commit before a change: ``git worktree add /tmp/before HEAD~1``), in turns with
+this one, and prints this one's time over that one's.
 
 Wall time is the median of --runs (mergekit's of --mergekit-runs, default 1: a run of it
 takes minutes for some methods, and its times vary by a third from run to run), with
@@ -117,13 +122,17 @@ METHODS = tuple(SETUPS)
 RANDOM = ("dare_linear", "dare_ties", "della", "della_linear")  # no output to compare with mergekit's
 
 
-def run(tool: str, method: str, out: Path, base: Path, models: list[Path], env: dict[str, str]) -> dict:
+def run(tool: str, method: str, out: Path, base: Path, models: list[Path], env: dict[str, str],
+        checkout: str | None = None) -> dict:
+    """One run in a child process, importing treecli from ``checkout`` when given (from the
+    output's directory, so that the working directory never shadows it)."""
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.sync()  # else the previous run's dirty pages throttle this run's writes
     result = subprocess.run([sys.executable, "-c", CHILD, tool, method, str(out), str(base), *map(str, models)],
-                            capture_output=True, text=True,
-                            env={**os.environ, **env, "BENCH_SETUPS": json.dumps(SETUPS)})
+                            capture_output=True, text=True, cwd=out.parent,
+                            env={**os.environ, **env, "BENCH_SETUPS": json.dumps(SETUPS),
+                                 **({"PYTHONPATH": checkout} if checkout else {})})
     if result.returncode:
         sys.exit(f"{tool} {method} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -136,7 +145,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--mergekit", default=shutil.which("mergekit-pytorch"), help="mergekit-pytorch to run")
     parser.add_argument("--mergekit-runs", type=int, default=1, help="mergekit's time is the median of these")
+    parser.add_argument("--before", help="another checkout of treecli to run in turns with this one")
     args = parser.parse_args()
+    before = str(Path(args.before).resolve()) if args.before else None
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         tmp = Path(tmp)
         subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib)], check=True)
@@ -146,14 +157,15 @@ def main() -> None:
         env = {"BENCH_MERGEKIT": args.mergekit or ""}
 
         def interleaved(jobs: list[tuple[str, list[Path]]]) -> tuple[list[dict], list[float]]:
-            """Medians of --runs of each (method, inputs), taken in turns: the machine's drift
-            falls on all of them alike; and, turn by turn, the last job's time over that of the
-            job before it (the method's over the average of its own inputs), to show the spread."""
+            """Medians of --runs of each (method, inputs[, checkout]), taken in turns: the machine's
+            drift falls on all of them alike; and, turn by turn, the last job's time over the
+            second's (the method's over the average of its own inputs), to show the spread."""
             results: list[list[dict]] = [[] for _ in jobs]
             for _ in range(args.runs):
-                for got, (method, models) in zip(results, jobs):
-                    got.append(run("treecli", method, tmp / f"treecli-{method}.safetensors", base, models, env))
-            turns = [ours["seconds"] / own["seconds"] for own, ours in zip(results[-2], results[-1])]
+                for got, (method, models, *checkout) in zip(results, jobs):
+                    got.append(run("treecli", method, tmp / f"treecli-{method}.safetensors", base, models, env,
+                                   *checkout))
+            turns = [ours["seconds"] / own["seconds"] for own, ours in zip(results[1], results[-1])]
             return [{k: statistics.median(r[k] for r in got) for k in got[0]} for got in results], turns
 
         print(f"base + 3 fine-tunes, {base.stat().st_size / 2**30:.2f} GiB each, fp32")
@@ -162,12 +174,16 @@ def main() -> None:
         for method in args.methods.split(","):
             models = fts[: SETUPS[method][1]]
             # "average" of the inputs: the base is passed to the child as the first of them
-            (three, own, ours), turns = interleaved([("average", fts), ("average-with-base", models),
-                                                     (method, models)])
+            earlier = [(method, models, before)] if before else []
+            (three, own, *then, ours), turns = interleaved([("average", fts), ("average-with-base", models),
+                                                           *earlier, (method, models)])
             line = (f"{'treecli ' + method:<24} {ours['seconds']:>7.2f}s {ours['rss_mb']:>8.0f}MB "
                     f"{ours['seconds'] / three['seconds']:>6.2f}x / {ours['seconds'] / own['seconds']:.2f}x"
                     f"   (average {three['seconds']:.2f}s / {own['seconds']:.2f}s; turn by turn "
                     f"{min(turns):.2f}-{max(turns):.2f}x)")
+            if then:
+                line += (f"   before {then[0]['seconds']:.2f}s {then[0]['rss_mb']:.0f}MB: "
+                         f"{ours['seconds'] / then[0]['seconds']:.2f}x")
             if args.mergekit:
                 runs = [run("mergekit", method, tmp / f"mergekit-{method}.safetensors", base, models, env)
                         for _ in range(args.mergekit_runs)]

@@ -13,6 +13,11 @@ beside a fair reference measured in the same interleaved run:
                            the same, saved in 4 MiB chunks (chunk_byte_size).
 
     python bench/streams.py [--runs 5] [--gib 1] [--jobs diff-equal,diff-different,convert,cast,orbax,orbax-chunked]
+                            [--before CHECKOUT]
+
+--before CHECKOUT also runs each treecli job with another checkout of treecli (a git
+worktree of the commit before a change: ``git worktree add /tmp/before HEAD~1``), in
+turns with this one, and prints this one's time over that one's.
 
 Wall time is the median of --runs, taken in turns (treecli, reference, treecli, ...), with
 the largest peak RSS of each;
@@ -172,13 +177,16 @@ JOBS = {  # job: (the treecli runs, the reference, the inputs)
 }
 
 
-def run(job: str, tool: str, out: Path, inputs: list[Path]) -> tuple[float, int]:
-    """Seconds and peak RSS (MB) of one run, in a child process."""
+def run(job: str, tool: str, out: Path, inputs: list[Path], checkout: str | None = None) -> tuple[float, int]:
+    """Seconds and peak RSS (MB) of one run, in a child process (importing treecli from
+    ``checkout`` when given; from the output's directory, so that the working directory
+    never shadows it)."""
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.sync()  # else the previous run's dirty pages throttle this run's writes
+    env = {**os.environ, "PYTHONPATH": checkout} if checkout else None
     result = subprocess.run([sys.executable, "-c", CHILD, job, tool, str(out), *map(str, inputs)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env=env, cwd=out.parent)
     if result.returncode:
         sys.exit(f"{tool} {job} failed:\n{result.stderr[-3000:]}")
     measured = json.loads(result.stdout.strip().splitlines()[-1])
@@ -197,7 +205,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--jobs", default=",".join(JOBS))
+    parser.add_argument("--before", help="another checkout of treecli to run in turns with this one")
     args = parser.parse_args()
+    before = str(Path(args.before).resolve()) if args.before else None
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         tmp = Path(tmp)
         subprocess.run([sys.executable, "-c", MAKE, str(tmp), str(args.gib)], check=True)
@@ -210,14 +220,16 @@ def main() -> None:
         for job in args.jobs.split(","):
             ours_jobs, reference_job, names = JOBS[job]
             inputs = [tmp / (n if n.startswith("orbax") else f"{n}.safetensors") for n in names]
-            times: dict[str, list[float]] = {j: [] for j in [*ours_jobs, "reference"]}
+            times: dict[str, list[float]] = {j: [] for j in [*ours_jobs, *(f"before:{o}" for o in ours_jobs),
+                                                             "reference"]}
             peaks: dict[str, list[int]] = {j: [] for j in times}
             suffix = ".npz" if job == "convert" else ".safetensors"
-            for _ in range(args.runs):  # interleaved: ours, the reference, ours, ...
+            for _ in range(args.runs):  # interleaved: ours, (before,) the reference, ours, ...
                 for ours in ours_jobs:
-                    seconds, peak = run(ours, "treecli", tmp / f"out{suffix}", inputs)
-                    times[ours].append(seconds)
-                    peaks[ours].append(peak)
+                    for label, checkout in [(ours, None)] + ([(f"before:{ours}", before)] if before else []):
+                        seconds, peak = run(ours, "treecli", tmp / f"out{suffix}", inputs, checkout)
+                        times[label].append(seconds)
+                        peaks[label].append(peak)
                 seconds, peak = run(reference_job, "reference", tmp / f"ref{suffix}", inputs)
                 times["reference"].append(seconds)
                 peaks["reference"].append(peak)
@@ -226,9 +238,15 @@ def main() -> None:
                 median = statistics.median(times[ours])
                 spread = f"{min(times[ours]):.2f}-{max(times[ours]):.2f}"
                 label = f"{ours} (chunked)" if job == "orbax-chunked" else ours
-                print(f"{label:<34} {median:>8.2f}s {reference:>9.2f}s {median / reference:>6.2f}x   "
-                      f"(treecli {spread} s, {max(peaks[ours])} MB; reference {min(times['reference']):.2f}-"
-                      f"{max(times['reference']):.2f} s, {max(peaks['reference'])} MB)")
+                line = (f"{label:<34} {median:>8.2f}s {reference:>9.2f}s {median / reference:>6.2f}x   "
+                        f"(treecli {spread} s, {max(peaks[ours])} MB; reference {min(times['reference']):.2f}-"
+                        f"{max(times['reference']):.2f} s, {max(peaks['reference'])} MB)")
+                if before:
+                    earlier = statistics.median(times[f"before:{ours}"])
+                    line += (f"   before {earlier:.2f}s ({min(times[f'before:{ours}']):.2f}-"
+                             f"{max(times[f'before:{ours}']):.2f}, {max(peaks[f'before:{ours}'])} MB): "
+                             f"{median / earlier:.2f}x")
+                print(line)
         print(f"after: {cache_state()}")
 
 

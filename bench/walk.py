@@ -16,12 +16,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "treecli"
-
 
 def walk(argv: list[str]) -> tuple[list[str], list[str], int]:
-    """The steps and rooms of ``treecli ARGV``, and its exit status."""
+    """The steps and rooms of ``treecli ARGV``, and its exit status (of the treecli that
+    imports: ``PYTHONPATH=OTHER_CHECKOUT`` walks another version)."""
+    import treecli
     from treecli.cli import main
+
+    package = Path(treecli.__file__).resolve().parent
 
     steps: dict[str, None] = {}
     rooms: dict[str, None] = {}
@@ -30,8 +32,8 @@ def walk(argv: list[str]) -> tuple[list[str], list[str], int]:
         if event != "call" or frame.f_code.co_name == "<module>":  # (an import is not a step)
             return
         path = Path(frame.f_code.co_filename)
-        if path.is_relative_to(PACKAGE):
-            module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if path.is_relative_to(package):
+            module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
             steps.setdefault(f"{module}.{frame.f_code.co_qualname}", None)
             rooms.setdefault(module, None)
 

@@ -177,9 +177,9 @@ def _open_url(url: str, format: str | None, step: int | None) -> Checkpoint:
 
 # The order in which a directory's format is recognised, the same wherever it lies (a
 # local directory, a bucket prefix, an HTTP directory or Hub repository): an HF
-# directory's safetensors weights, a DCP checkpoint, an HF directory's PyTorch weights,
-# an Orbax checkpoint.
-DIRECTORIES = ("safetensors", "dcp", "torch", "orbax")
+# directory's safetensors weights, a DCP checkpoint, an HF directory's PyTorch weights
+# (transformers' own preference after safetensors), its Flax weights, an Orbax checkpoint.
+DIRECTORIES = ("safetensors", "dcp", "torch", "msgpack", "orbax")
 
 
 def detect_folder(folder: Any, step: int | None = None) -> Format:

@@ -22,7 +22,7 @@ from treecli import _dtypes, _leaf, _tree
 from treecli._errors import FormatError, TreecliError
 from treecli._keypath import format_keypath
 from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
-from treecli.formats._folder import companions
+from treecli.formats._folder import LocalFolder, companions
 from treecli._bytes.local import open_regular
 
 _NDARRAY, _COMPLEX, _NPSCALAR = 1, 2, 3
@@ -44,7 +44,7 @@ class MsgpackFormat(Format):
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():  # an HF Flax model: flax_model.msgpack beside config.json
-            return None if (path / HF_FILE).is_file() else f"no {HF_FILE}"
+            return self.in_folder(LocalFolder(path))
         if not path.name.endswith(self.extensions):
             return "not named *.msgpack"
         with open_regular(path) as f:
@@ -54,11 +54,21 @@ class MsgpackFormat(Format):
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
         if path.is_dir():
-            checkpoint = _open(path / HF_FILE)
-            checkpoint.file, checkpoint.origin = str(path), Origin("file", path / HF_FILE, [path / HF_FILE])
-            checkpoint.companions = companions(path, {HF_FILE})
-            return checkpoint
+            return self.open_folder(LocalFolder(path), step=step)
         return _open(path)
+
+    def in_folder(self, folder: Any) -> str | None:
+        """An HF Flax model: its ``flax_model.msgpack`` (where the folder can be listed)."""
+        return None if folder.listable and HF_FILE in folder.files() else f"no {HF_FILE}"
+
+    def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
+        if folder.local_path is None or step is not None or entry is not None:
+            return super().open_folder(folder, step=step, entry=entry)
+        path = folder.local_path
+        checkpoint = _open(path / HF_FILE)
+        checkpoint.file, checkpoint.origin = str(path), Origin("file", path / HF_FILE, [path / HF_FILE])
+        checkpoint.companions = companions(path, {HF_FILE})
+        return checkpoint
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         if target.is_dir():
