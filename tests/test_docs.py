@@ -266,3 +266,13 @@ def test_the_merge_methods_table_lists_the_registry():
     missing = [f"{name}: {p.name}" for name in METHODS for p in REGISTRY[name].params
                if f"`{p.name}`" not in documented(name)]
     assert missing == []
+
+
+def test_contributing_names_every_module_of_the_package():
+    """CONTRIBUTING.md's layout is the package's: every top-level module and subpackage
+    of treecli is named there (a new one without its line fails here)."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    package = ROOT / "treecli"
+    names = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    names += [f"{p.name}/" for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert [name for name in names if name not in text] == []

@@ -105,3 +105,54 @@ def test_adding_a_merge_method_is_one_module_and_one_registry_line(tmp_path):
     assert one.returncode == 2 and "toy_midrange merges at least 2 models; 1 were given" in one.stderr
     typo = _treecli(copy, "merge", "--method", "toy_midrange", *paths, "--param", "bais=1", "-o", tmp_path / "t.st")
     assert typo.returncode == 2 and "toy_midrange has no parameter 'bais'" in typo.stderr
+
+
+TOY_COMMAND = '''"""``treecli count``: how many leaves a checkpoint holds, and their bytes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import about, open_input
+from treecli.cli._output import Output
+
+
+def count(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint (a path or URL).", metavar="CHECKPOINT",
+                                              show_default=False)],
+    input_format: opt.InputFormatOpt = None,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Count a checkpoint's leaves and the bytes of its arrays."""
+    from treecli import _tree
+
+    out = Output(quiet=quiet)
+    with open_input(out, checkpoint, input_format) as ckpt, about(checkpoint):
+        out.print(f"{len(_tree.flatten(ckpt.tree))} leaves, {_tree.array_bytes(ckpt.tree)} bytes")
+'''
+
+
+def test_adding_a_command_is_one_module_and_two_lines(tmp_path):
+    copy = _copy_of_the_package(tmp_path)
+    (copy / "treecli" / "cli" / "count.py").write_text(TOY_COMMAND)
+    app = copy / "treecli" / "cli" / "__init__.py"
+    text = app.read_text()
+    app.write_text(text.replace("from treecli.cli.convert import convert\n",
+                                "from treecli.cli.convert import convert\nfrom treecli.cli.count import count\n", 1)
+                   .replace("app.command()(get)\n", "app.command()(get)\napp.command()(count)\n", 1))
+    assert app.read_text().count("\n") == text.count("\n") + 2
+
+    model = tmp_path / "m.safetensors"
+    save_file({"a.w": np.ones((2, 3), np.float32), "a.b": np.zeros(3, np.int64)}, str(model))
+    counted = _treecli(copy, "count", model)
+    assert counted.returncode == 0, counted.stderr
+    assert counted.stdout.strip() == "2 leaves, 48 bytes"
+    assert "count" in _treecli(copy, "--help").stdout
+    assert "Count a checkpoint's leaves" in _treecli(copy, "count", "--help").stdout
+    # the error boundary, the same for every command: one line, exit 2, no traceback
+    missing = _treecli(copy, "count", tmp_path / "missing.safetensors")
+    assert missing.returncode == 2 and missing.stderr.startswith("treecli: error: ")
+    assert "no such file" in missing.stderr and "Traceback" not in missing.stderr

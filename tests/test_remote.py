@@ -574,3 +574,24 @@ def test_a_distributed_checkpoint_on_the_hub_reads_as_its_local_copy(server, tmp
     assert server.bytes_served < 200_000  # .metadata and the chunks' first bytes, not the 257 KB of data
     assert without_file(shown) == without_file(cli("show", tmp_path / "c", "--json"))
     assert cli("diff", "hf://org/run/step-7", tmp_path / "c").code == 0
+
+
+def test_a_format_plugged_in_through_the_contract_reads_over_http_from_the_same_module(server, tmp_path, cli,
+                                                                                        monkeypatch):
+    """CONTRIBUTING's recipe for a format: tests/toy_format.py declares its
+    ``remote_extensions`` and opens from a folder; a URL naming its file reads as the
+    local file does, with no other change."""
+    from treecli import formats
+
+    monkeypatch.setitem(formats.FORMATS, "toy", "tests.toy_format:ToyFormat")
+    formats.get.cache_clear()
+    try:
+        local = tmp_path / "m.toy"
+        treecli.save({"model.w": np.arange(6, dtype=np.float32).reshape(2, 3)}, local)
+        server.files["/org/toys/resolve/main/m.toy"] = local.read_bytes()
+        remote = cli("show", "hf://org/toys/m.toy", "--json")
+        assert remote.code == 0 and remote.json["format"] == "toy", remote.stderr
+        assert without_file(remote) == without_file(cli("show", local, "--json"))
+        assert cli("diff", "hf://org/toys/m.toy", local).code == 0
+    finally:
+        formats.get.cache_clear()

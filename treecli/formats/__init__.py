@@ -167,10 +167,14 @@ def _open_url(url: str, format: str | None, step: int | None) -> Checkpoint:
     the checkpoint in the folder it names (``open_folder``)."""
     from treecli.formats import _remote  # urllib only when a URL is given
 
-    folder, entry = _remote.locate(url, format, step)
+    # Which format each file name a URL may end in is read by (the longest end first).
+    ends = sorted(((end, name) for name in FORMATS for end in get(name).remote_extensions),
+                  key=lambda pair: -len(pair[0]))
+    folder, entry = _remote.locate(url, tuple(end for end, _ in ends), format, step)
     if entry is None:
         return open_folder(folder, format, step)
-    checkpoint = get(format or _remote.format_of(entry)).open_folder(folder, step=step, entry=entry)
+    named = format or next(name for end, name in ends if entry.endswith(end))
+    checkpoint = get(named).open_folder(folder, step=step, entry=entry)
     checkpoint.file = url  # (as the user wrote it: a query string and all)
     return checkpoint
 

@@ -208,6 +208,10 @@ class Format:
     directory_output: ClassVar[str | None] = None
     #: Whether ``write_global`` writes global arrays, each process its own shards.
     writes_global_arrays: ClassVar[bool] = False
+    #: The ends of the names of its files a URL may name (``.gguf``; a shard index's
+    #: ``.safetensors.index.json``), read by byte ranges through the URL's folder
+    #: (``open_folder(folder, entry=NAME)``). Empty: its files are read here only.
+    remote_extensions: ClassVar[tuple[str, ...]] = ()
 
     def plan(self, tree: Any, file: str, options: WriteOptions, directory: bool) -> OutputPlan | None:
         """The layout of an output (a file, or a ``directory``), for a run of several

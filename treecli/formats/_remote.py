@@ -45,27 +45,17 @@ def _headers(url: str) -> dict[str, str]:
 
 # --- a URL as a folder --------------------------------------------------------------------------
 
-# Files read from URLs by byte ranges, by their name's end, and the format of each (a
-# name that ends otherwise is a directory).
-FILES = {".safetensors.index.json": "safetensors", ".bin.index.json": "torch", ".safetensors": "safetensors",
-         ".gguf": "gguf", ".bin": "torch", ".pt": "torch", ".pth": "torch"}
-
-
-def format_of(name: str) -> str:
-    """The format of a file a URL names, by its name's end."""
-    return next((fmt for end, fmt in FILES.items() if name.endswith(end)), "safetensors")
-
-
-def locate(url: str, format: str | None = None, step: int | None = None) -> tuple[Folder, str | None]:
+def locate(url: str, files: tuple[str, ...], format: str | None = None,
+           step: int | None = None) -> tuple[Folder, str | None]:
     """The folder a URL names, or the folder of the file it names and that file's name.
-    A name that ends as a file of a format read remotely (``FILES``) is a file, unless
-    Orbax is asked for (``--format orbax``, ``--step``): a directory."""
+    A name that ends as one of ``files`` (the formats' ``remote_extensions``) is a file,
+    unless Orbax is asked for (``--format orbax``, ``--step``): a directory."""
     from treecli.formats._folder import BucketFolder, HttpFolder
 
     names_a_file = format != "orbax" and step is None
     if url.startswith(kvstore.SCHEMES):
         store, key = kvstore.open_store(url)
-        if not (key.endswith(tuple(FILES)) and names_a_file):
+        if not (key.endswith(files) and names_a_file):
             return BucketFolder.open(url, store), None
         parent, _, name = key.rpartition("/")
         return BucketFolder.unlisted(url.rsplit("/", 1)[0], store, parent + "/" if parent else ""), name
@@ -77,7 +67,7 @@ def locate(url: str, format: str | None = None, step: int | None = None) -> tupl
         base = urllib.parse.urlunsplit(parts._replace(path="/", query="", fragment=""))
         inner = parts.path.lstrip("/")
     parent, _, name = inner.rstrip("/").rpartition("/")
-    if not (name.endswith(tuple(FILES)) and names_a_file):
+    if not (name.endswith(files) and names_a_file):
         directory = base + inner.rstrip("/") + "/" if inner.strip("/") else base
         return HttpFolder(url, directory, headers), None
     exact = {} if url.startswith("hf://") else {urllib.parse.unquote(name): url}  # a query string and all

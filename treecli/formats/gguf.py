@@ -36,6 +36,7 @@ class GgufFormat(Format):
 
     name = "gguf"
     extensions = (".gguf",)
+    remote_extensions = (".gguf",)
     writable = True
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:

@@ -33,6 +33,7 @@ class SafetensorsFormat(Format):
 
     name = "safetensors"
     extensions = (".safetensors",)
+    remote_extensions = (".safetensors.index.json", ".safetensors")
     separator = "."
     writable = True
     writes_directories = True

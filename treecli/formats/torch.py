@@ -208,6 +208,7 @@ class TorchFormat(Format):
 
     name = "torch"
     extensions = (".bin", ".pt", ".pth")
+    remote_extensions = (".bin.index.json", ".bin", ".pt", ".pth")
     writable = True
     holds_numbers = True  # a step counter stays a Python int, as in a training checkpoint
     directory_output = "safetensors"  # an HF directory of .bin shards becomes one of safetensors
