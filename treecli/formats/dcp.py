@@ -18,7 +18,7 @@ from typing import Any
 
 from treecli import _leaf
 from treecli._errors import FormatError
-from treecli.formats import _flatkeys, torch as torch_format
+from treecli.formats import _flatkeys, _torch_pickle
 from treecli.formats._base import Checkpoint, Format
 from treecli.formats._unpickle import Record, Unpickler, record
 
@@ -28,7 +28,7 @@ MAX_METADATA_BYTES = 512 << 20
 _DCP = "torch.distributed.checkpoint"
 # DCP's metadata classes, kept as records of their fields; and what their fields hold.
 ALLOWED = {
-    **torch_format.ALLOWED,
+    **_torch_pickle.ALLOWED,
     **{f"{_DCP}.metadata.{name}": record(name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta")},
@@ -148,7 +148,7 @@ def _value(folder: Any, fqn: str, entry: Record, where: dict, readers: dict, che
         chunks = [(tuple(c.field("offsets")), tuple(c.field("sizes"))) for c in entry.field("chunks")]
     except (KeyError, AttributeError, TypeError, IndexError):
         raise FormatError("a tensor entry without size, dtype and chunks", file=file, keypath=fqn) from None
-    if not isinstance(dtype, torch_format.DType):
+    if not isinstance(dtype, _torch_pickle.DType):
         raise FormatError("a tensor entry whose dtype is not a torch dtype", file=file, keypath=fqn)
     pieces, covered = [], 0
     for offsets, sizes in chunks:
@@ -206,7 +206,7 @@ def _chunk(folder: Any, fqn: str, place: Any, readers: dict, checkpoint: Checkpo
     reader = _reader(folder, name, readers, checkpoint, file, fqn)
     if not (type(offset) is int and type(length) is int and 0 <= offset and offset + length <= reader.size):
         raise FormatError(f"a chunk at {offset!r}+{length!r} of {name}, past its end", file=file, keypath=fqn)
-    obj, places = torch_format.read_zip(reader, (offset, length))
+    obj, places = _torch_pickle.read_zip(reader, (offset, length))
     # (a value holding tensors: its tensors lazy leaves, as in a .pt)
-    return torch_format.tree_of(torch_format.items_of(obj, places, reader, reader.path, checkpoint.warnings),
+    return _torch_pickle.tree_of(_torch_pickle.items_of(obj, places, reader, reader.path, checkpoint.warnings),
                                 checkpoint.warnings)
