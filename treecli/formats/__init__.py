@@ -21,8 +21,8 @@ from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
 
-# Each format's class, as "module:Class". Order matters only for sniffing: the first
-# format whose sniff accepts wins.
+# Each format's class, as "module:Class". Order matters only for sniffing a file: the
+# first format whose sniff accepts wins (a directory is tried in ``DIRECTORIES``' order).
 FORMATS = {
     "safetensors": "treecli.formats.safetensors:SafetensorsFormat",
     "npz": "treecli.formats.npz:NpzFormat",

@@ -111,14 +111,29 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     with _parents_made(target):
         existing = check_target(target, sources, force=force)
         check_room(fmt, tree, target.parent, target)
-        if verify:
-            options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
-                                          readback=getattr(verify, "readback", None))
-        try:
+        with _read_back(options, verify) as options:
             _write_new(fmt, tree, target, is_dir, existing, options, sources, verify)
-        finally:
-            if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
-                options.readback.close()
+
+
+@contextlib.contextmanager
+def _read_back(options: WriteOptions, verify: Callable[[Path], None] | None) -> Iterator[WriteOptions]:
+    """``options`` with what a verification takes from the writer (``verify``'s digests and
+    read-back), the read-back's descriptors closed after (the writing failed or not)."""
+    if verify:
+        options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
+                                      readback=getattr(verify, "readback", None))
+    try:
+        yield options
+    finally:
+        if options.readback is not None:
+            options.readback.close()
+
+
+def _checked(written: Path, verify: Callable[[Path], None] | None) -> None:
+    """A finished temporary verified (when asked), then dropped from the page cache."""
+    if verify:
+        verify(written)
+        writer.drop_cached(written)
 
 
 @contextlib.contextmanager
@@ -161,17 +176,13 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
         with _atomic.atomic_directory(target, replace=existing is not None) as built:
             fmt.write(tree, built, options)
             _copy_companions(built, options.companions)
-            if verify:
-                verify(built)
-                writer.drop_cached(built)
+            _checked(built, verify)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
     with _atomic.atomic_file(target) as tmp:
         fmt.write(tree, tmp, options)
-        if verify:
-            verify(tmp)
-            writer.drop_cached(tmp)
+        _checked(tmp, verify)
 
 
 def write_global(fmt: Any, tree: Any, target: Path, options: WriteOptions, sources: Sequence[Path],
@@ -350,19 +361,14 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
     if origin.layout == "sharded" and verify:
         raise UsageError("--verify checks a new output; an HF directory's shards are rewritten one by one in "
                          "place: write the edit with -o to verify it", file=checkpoint.file)
-    if verify:
-        options = dataclasses.replace(options, digests=getattr(verify, "digests", None),
-                                      readback=getattr(verify, "readback", None))
-    try:
+    with _read_back(options, verify) as options:
         if origin.layout == "file":
             like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
             if not stat.S_ISREG(like.st_mode):
                 raise UsageError("--in-place rewrites only regular files", file=str(origin.path))
             with _atomic.atomic_file(origin.path, like=like) as tmp:
                 fmt.write(tree, tmp, options)
-                if verify:
-                    verify(tmp)
-                    writer.drop_cached(tmp)
+                _checked(tmp, verify)
             return origin.path
         if origin.layout == "sharded":
             fmt.write_in_place(tree, origin, options)
@@ -370,13 +376,8 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
         check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
         with _atomic.atomic_directory(origin.path, replace=True) as built:
             fmt.write(tree, built, options)
-            if verify:
-                verify(built)
-                writer.drop_cached(built)
+            _checked(built, verify)
         return origin.path
-    finally:
-        if options.readback is not None:  # (the read-back's descriptors, when the writing failed)
-            options.readback.close()
 
 
 def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
