@@ -8,25 +8,32 @@ Heavy imports (NumPy, formats) happen inside the command functions, so
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib
 import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from treecli import _cluster, _gc
 from treecli.cli._status import ExitStatus
-from treecli.cli.average import average
-from treecli.cli.convert import convert
-from treecli.cli.diff import diff
-from treecli.cli.edit import edit
-from treecli.cli.get import get
-from treecli.cli.merge import merge
-from treecli.cli.show import show
-from treecli.cli.slice import slice_
+
+# The commands, in the order --help lists them: each one's function as "module:function",
+# imported only when it runs (or when the whole app is laid out: --help, completion).
+COMMANDS = {
+    "show": "treecli.cli.show:show",
+    "slice": "treecli.cli.slice:slice_",
+    "average": "treecli.cli.average:average",
+    "merge": "treecli.cli.merge:merge",
+    "edit": "treecli.cli.edit:edit",
+    "diff": "treecli.cli.diff:diff",
+    "convert": "treecli.cli.convert:convert",
+    "get": "treecli.cli.get:get",
+}
 
 _SETTINGS = dict(
     name="treecli",
@@ -37,7 +44,6 @@ _SETTINGS = dict(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app = typer.Typer(**_SETTINGS)
 
 
 def _print_version(value: bool) -> None:
@@ -56,7 +62,6 @@ class _Session:
     args: list[str] = []
 
 
-@app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
@@ -92,14 +97,29 @@ def _say_joined() -> None:
         sys.stderr.flush()
 
 
-app.command()(show)
-app.command("slice")(slice_)
-app.command()(average)
-app.command()(merge)
-app.command()(edit)
-app.command()(diff)
-app.command()(convert)
-app.command()(get)
+def _command(name: str) -> Callable[..., Any]:
+    module, _, function = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _app_of(names: list[str]) -> typer.Typer:
+    """A Typer app of the root options and the commands ``names``."""
+    made = typer.Typer(**_SETTINGS)
+    made.callback()(_root)
+    for name in names:
+        made.command(name)(_command(name))
+    return made
+
+
+@functools.cache
+def _whole_app() -> typer.Typer:
+    return _app_of(list(COMMANDS))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole app (completion scripts, tests), laid out on first use
+        return _whole_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _ROOT_OPTIONS_WITH_VALUES = ("--coordinator", "--num-processes", "--process-id", "--join-timeout")
@@ -107,16 +127,12 @@ _ROOT_OPTIONS_WITH_VALUES = ("--coordinator", "--num-processes", "--process-id",
 
 def _app_for(args: list[str]) -> typer.Typer:
     """The app to run ``args`` with: where they name a command, one that holds only that
-    command (Typer lays out every command's options on each run: 14 ms of a 90 ms ``show``,
-    against 2 ms for one); else the whole app (help, completion, a mistyped command)."""
+    command, its module the only one imported (Typer lays out every command's options on
+    each run: 14 ms of a 90 ms ``show``, against 2 ms for one); else the whole app (help,
+    completion, a mistyped command)."""
     name = next((arg for arg, before in zip(args, [None, *args]) if not arg.startswith("-")
                  and before not in _ROOT_OPTIONS_WITH_VALUES), None)
-    for info in app.registered_commands:
-        if name == (info.name or typer.main.get_command_name(info.callback.__name__)):
-            one = typer.Typer(**_SETTINGS)
-            one.registered_callback, one.registered_commands = app.registered_callback, [info]
-            return one
-    return app
+    return _app_of([name]) if name in COMMANDS else _whole_app()
 
 
 class _Terminated(BaseException):
