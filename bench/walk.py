@@ -1,6 +1,6 @@
 """The walk of one treecli command: which of treecli's functions it calls ("steps": each
-distinct function, counted once; module bodies run by imports are not) and in which
-modules ("rooms"), in the order first entered. A measure of how many places a reader must visit to follow a command, for the
+distinct function, counted once; what imports run is not) and in which modules
+("rooms"), in the order first entered. A measure of how many places a reader must visit to follow a command, for the
 architecture issues (41): compare before and after a change on the same command.
 
     python bench/walk.py show examples/tiny.safetensors
@@ -28,8 +28,18 @@ def walk(argv: list[str]) -> tuple[list[str], list[str], int]:
     steps: dict[str, None] = {}
     rooms: dict[str, None] = {}
 
+    def importing(frame) -> bool:
+        """Whether the frame runs as part of an import (a module body below it on the stack)."""
+        while frame is not None:
+            if frame.f_code.co_name == "<module>" and frame.f_code.co_filename != __file__:
+                return True
+            frame = frame.f_back
+        return False
+
     def profile(frame, event, _arg):
-        if event != "call" or frame.f_code.co_name == "<module>":  # (an import is not a step)
+        # An import is not a step, nor anything a module's body calls as it is imported:
+        # a walk counts the same whether a module was imported before the command or in it.
+        if event != "call" or importing(frame):
             return
         path = Path(frame.f_code.co_filename)
         if path.is_relative_to(package):
