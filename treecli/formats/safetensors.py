@@ -86,7 +86,7 @@ class SafetensorsFormat(Format):
         else:
             kind, name = ("index" if entry.endswith(INDEX_SUFFIX) else "file"), entry
         if kind == "index":
-            return _open_sharded(folder, name, file=folder.named(name) if entry or folder.local_path else folder.name)
+            return _open_sharded(folder, name, file=folder.named(name) if entry else folder.name)
         if entry is None and not folder.listable:  # (an HTTP directory's model.safetensors, presumed)
             from treecli._bytes.http import NotFoundError
 
