@@ -285,3 +285,22 @@ def test_a_leaf_of_more_dimensions_than_ggml_holds_is_not_written(tmp_path):
     assert not (tmp_path / "m.gguf").exists()
     treecli.save({"w": np.ones((1, 2, 3, 4), np.float32)}, tmp_path / "four.gguf")
     assert gguf.GGUFReader(str(tmp_path / "four.gguf")).tensors[0].name == "w"
+
+
+def test_show_names_the_model_a_gguf_s_metadata_describes(cli, tmp_path):
+    """Issue 42, item 4: general.architecture, {arch}.block_count and the tokenizer's tokens."""
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list([f"t{i}" for i in range(40)])
+    writer.add_tensor("token_embd.weight", np.ones((40, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shown = cli("show", path)
+    assert shown.code == 0, shown.stderr
+    assert shown.stdout.splitlines()[0].split("  ", 1)[1].startswith("gguf, llama, 2 layers, vocab 40, ")
+    assert cli("show", path, "--json").json["model"] == {"architecture": "llama", "layers": 2, "vocab": 40}

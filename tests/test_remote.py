@@ -173,7 +173,8 @@ def test_hub_repository_with_shards_reads_headers_concurrently(server, tmp_path,
     elapsed = time.perf_counter() - start
     assert result.code == 0, result.stderr
     assert "model.layers.15.w" in result.stdout
-    assert len(server.requests) == 1 + 8  # the index, then one read per shard header
+    # the index, one read per shard header, and the repository's config.json (show names its model)
+    assert len(server.requests) == 1 + 8 + 1
     assert elapsed < 0.8, elapsed  # one shard after another would take 8 x 0.1 s on top of the index
 
 
@@ -595,3 +596,21 @@ def test_a_format_plugged_in_through_the_contract_reads_over_http_from_the_same_
         assert cli("diff", "hf://org/toys/m.toy", local).code == 0
     finally:
         formats.get.cache_clear()
+
+
+def test_a_hub_repository_names_its_model_as_its_local_copy_and_only_show_asks(server, tmp_path, cli):
+    """config.json is read through the repository's folder as a local directory's is, and
+    only by show: a command that does not name the model never asks for it."""
+    local = _publish_sharded(server, "/org/named/resolve/main", 2, tmp_path)
+    import json
+
+    config = {"model_type": "qwen2", "num_hidden_layers": 16, "vocab_size": 32}
+    (local / "config.json").write_text(json.dumps(config))
+    server.files["/org/named/resolve/main/config.json"] = (local / "config.json").read_bytes()
+    remote = cli("show", "hf://org/named", "--json")
+    assert remote.code == 0, remote.stderr
+    assert remote.json["model"] == cli("show", local, "--json").json["model"] == {
+        "architecture": "qwen2", "layers": 16, "vocab": 32}
+    server.requests.clear()
+    assert cli("get", "hf://org/named", "model.layers.0.w", "--json").code == 0
+    assert not [path for path, _ in server.requests if path.endswith("config.json")]

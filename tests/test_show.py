@@ -297,3 +297,25 @@ def test_stats_of_layers_that_look_alike_are_each_their_own(cli, tmp_path):
         ("layers.0.w", 0.0), ("layers.1.w", 1.0), ("layers.2.w", 2.0)]
     rows = [line.split() for line in cli("show", path, "--stats").stdout.splitlines() if line.strip().startswith("w ")]
     assert [row[7] for row in rows] == ["0", "1", "2"]  # min
+
+
+def test_show_names_the_model_an_hf_config_describes(cli, tmp_path):
+    """Issue 42, item 4: the architecture, layers and vocabulary of config.json in the
+    header line and in --json; a config that names no model_type adds nothing; text from
+    the file is escaped."""
+    repo = tmp_path / "tiny-llama"
+    repo.mkdir()
+    save_file({f"model.layers.{i}.mlp.w": np.ones((2, 2), np.float32) for i in range(4)}
+              | {"model.embed_tokens.weight": np.ones((128, 2), np.float32)}, str(repo / "model.safetensors"))
+    (repo / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "vocab_size": 128}))
+    shown = cli("show", repo)
+    assert shown.code == 0, shown.stderr
+    assert shown.stdout.splitlines()[0].split("  ", 1)[1].startswith("safetensors, llama, 4 layers, vocab 128, ")
+    assert cli("show", repo, "--json").json["model"] == {"architecture": "llama", "layers": 4, "vocab": 128}
+    (repo / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {"num_hidden_layers": 26}}))
+    assert cli("show", repo, "--json").json["model"] == {"architecture": "gemma3", "layers": 26, "vocab": None}
+    (repo / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert "model" not in cli("show", repo, "--json").json
+    (repo / "config.json").write_text(json.dumps({"model_type": "evil\x1b[2J"}))
+    shown = cli("show", repo)
+    assert "\x1b" not in shown.stdout and "evil" in shown.stdout.splitlines()[0]

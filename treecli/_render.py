@@ -341,10 +341,12 @@ def metadata_lines(metadata: dict[str, Any], width: int | None = None) -> Iterab
 
 
 def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]],
-             separator: str = " · ") -> Line:
-    """The file, then its format and totals, ``separator`` between them (piped: ASCII)."""
+             separator: str = " · ", model: Any = None) -> Line:
+    """The file, then its format, its model where the checkpoint names one (architecture,
+    layers, vocabulary) and its totals, ``separator`` between them (piped: ASCII)."""
     arrays = sum(count for _, count, _, _ in totals)
-    facts = [fmt, counted(arrays, "array"), f"{human_count(root.params)} params", human_bytes(root.nbytes)]
+    facts = [fmt, *(quote(fact) for fact in (model.facts() if model is not None else [])),
+             counted(arrays, "array"), f"{human_count(root.params)} params", human_bytes(root.nbytes)]
     return [(quote(file), "bold"), ("  " + separator.join(facts), "")]
 
 
@@ -370,11 +372,11 @@ def _joined_to_fit(parts: list[str], separator: str, width: int) -> list[str]:
 
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
                flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False,
-               width: int | None = None) -> Iterable[Line]:
+               width: int | None = None, model: Any = None) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
     separator = ", " if plain else " · "
-    head = headline(file, fmt, root, totals, separator)
+    head = headline(file, fmt, root, totals, separator, model)
     if width and sum(len(text) for text, _ in head) > width:  # the file on a line, the totals below it
         totals_text = head[1][0].strip().split(separator)
         name = head[0][0]  # a name longer than the line goes on over the next ones, never cropped
@@ -392,8 +394,9 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
     return itertools.chain.from_iterable(parts)
 
 
-def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict[str, Any]:
-    """The ``show --json`` document (DESIGN.md "Output conventions")."""
+def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any], model: Any = None) -> dict[str, Any]:
+    """The ``show --json`` document (DESIGN.md "Output conventions"); ``model`` where the
+    checkpoint names one."""
     out_leaves = []
     for keypath, node in _summary.leaves_by_keypath(root):
         if node.kind == "array":
@@ -410,6 +413,7 @@ def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any]) -> dict
     return {
         "format": fmt,
         "file": file,
+        **({"model": model.as_json()} if model is not None else {}),
         "metadata": {k: v if isinstance(v, (dict, list)) else _summary.json_value(v) for k, v in metadata.items()},
         "num_leaves": root.num_leaves,
         "total_params": root.params,

@@ -57,11 +57,11 @@ def show(
             with out.progress("reading", root.nbytes) as advance:
                 _summary.add_stats(root, advance)
         if json:
-            document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata)
+            document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.described_model())
             document.update(ckpt.info)
             out.json(document)
         else:
             out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.info, flat=flat,
                                          depth=depth, stats=stats, plain=out.plain,
                                          fold=not (out.plain or expand or stats),
-                                         width=None if out.plain else out.stdout.width))
+                                         width=None if out.plain else out.stdout.width, model=ckpt.described_model()))

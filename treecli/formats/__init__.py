@@ -146,7 +146,12 @@ def open_checkpoint(path: str | Path, format: str | None = None, **options: Any)
             _refuse_special(path)
 
         def opening() -> Checkpoint:
-            return fmt.open(path, **options)
+            checkpoint = fmt.open(path, **options)
+            if path.is_dir():
+                from treecli.formats._folder import LocalFolder
+
+                _name_the_model(checkpoint, fmt, LocalFolder(path))
+            return checkpoint
         name = fmt.name
     try:
         checkpoint = opening()
@@ -172,11 +177,22 @@ def _open_url(url: str, format: str | None, step: int | None) -> Checkpoint:
                   key=lambda pair: -len(pair[0]))
     folder, entry = _remote.locate(url, tuple(end for end, _ in ends), format, step)
     if entry is None:
-        return open_folder(folder, format, step)
+        checkpoint = open_folder(folder, format, step)
+        _name_the_model(checkpoint, get(checkpoint.format), folder)
+        return checkpoint
     named = format or next(name for end, name in ends if entry.endswith(end))
     checkpoint = get(named).open_folder(folder, step=step, entry=entry)
     checkpoint.file = url  # (as the user wrote it: a query string and all)
     return checkpoint
+
+
+def _name_the_model(checkpoint: Checkpoint, fmt: Format, folder: Any) -> None:
+    """An HF directory's model, from the ``config.json`` beside its weights wherever it lies,
+    read when asked (``Checkpoint.described_model``)."""
+    if checkpoint.model is None and fmt.hf_directories:
+        from treecli.formats import _model
+
+        checkpoint.model = lambda: _model.of_folder(folder)
 
 
 # The order in which a directory's format is recognised, the same wherever it lies (a

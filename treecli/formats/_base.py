@@ -47,6 +47,10 @@ class Checkpoint:
     warnings: list[str] = field(default_factory=list)
     #: Extra facts for ``show`` (the steps of a CheckpointManager root, ...).
     info: dict[str, Any] = field(default_factory=dict)
+    #: The model the weights belong to, where the checkpoint says (``_model.Model``: a GGUF
+    #: file's metadata), or how to find it (a callable: an HF directory's ``config.json``,
+    #: read only when asked); see ``described_model``.
+    model: Any = None
     #: Where its weights live on disk (None for a tree in memory).
     origin: Origin | None = None
     #: The model its leaves belong to (``--like``): a ``_pytree.Structure``, whose
@@ -55,6 +59,14 @@ class Checkpoint:
     #: Each item's tree, by name, for a CheckpointManager step (``info["items"]`` lists them).
     items: dict[str, Any] = field(default_factory=dict)
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def described_model(self) -> Any:
+        """The model the weights belong to (``_model.Model``), or None where the checkpoint
+        does not say; a ``config.json`` is read on the first call only (a remote one is a
+        request that only ``show`` needs)."""
+        if callable(self.model):
+            self.model = self.model()
+        return self.model
 
     def item(self, name: str) -> Any:
         """The tree of one item of a CheckpointManager step.
@@ -208,6 +220,9 @@ class Format:
     directory_output: ClassVar[str | None] = None
     #: Whether ``write_global`` writes global arrays, each process its own shards.
     writes_global_arrays: ClassVar[bool] = False
+    #: Whether its directories are HF model directories, a ``config.json`` beside the
+    #: weights naming the model (``show`` says it).
+    hf_directories: ClassVar[bool] = False
     #: The ends of the names of its files a URL may name (``.gguf``; a shard index's
     #: ``.safetensors.index.json``), read by byte ranges through the URL's folder
     #: (``open_folder(folder, entry=NAME)``). Empty: its files are read here only.

@@ -22,7 +22,7 @@ from typing import Any
 from treecli import _leaf
 from treecli._bytes.local import open_regular
 from treecli._errors import FormatError, UsageError
-from treecli.formats import _flatkeys
+from treecli.formats import _flatkeys, _model
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import LocalFolder
@@ -99,6 +99,7 @@ def _open_source(reader: Any) -> Checkpoint:
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     checkpoint.warnings.extend([warning] if warning else [])
     checkpoint.metadata = header.metadata
+    checkpoint.model = _model.from_gguf(header.metadata)
     if quantized:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(quantized.items()))
         checkpoint.info["quantized"] = f"{kinds} (float32 leaves, dequantized when read)"

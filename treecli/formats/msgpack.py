@@ -39,6 +39,7 @@ class MsgpackFormat(Format):
     name = "msgpack"
     holds_numbers = True  # a Python int is stored as an int, as Flax's msgpack does
     extensions = (".msgpack",)
+    hf_directories = True  # (config.json beside the weights)
     writable = True
     directory_output = "safetensors"  # an HF Flax directory becomes an HF safetensors one, as transformers reads
 

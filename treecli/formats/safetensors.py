@@ -33,6 +33,7 @@ class SafetensorsFormat(Format):
 
     name = "safetensors"
     extensions = (".safetensors",)
+    hf_directories = True  # (config.json beside the weights)
     remote_extensions = (".safetensors.index.json", ".safetensors")
     separator = "."
     writable = True

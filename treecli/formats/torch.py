@@ -39,6 +39,7 @@ class TorchFormat(Format):
 
     name = "torch"
     extensions = (".bin", ".pt", ".pth")
+    hf_directories = True  # (config.json beside the weights)
     remote_extensions = (".bin.index.json", ".bin", ".pt", ".pth")
     writable = True
     holds_numbers = True  # a step counter stays a Python int, as in a training checkpoint
