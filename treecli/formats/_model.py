@@ -80,3 +80,66 @@ def of_folder(folder: Any) -> Model | None:
     except (OSError, TreecliError):  # (unreadable or too long: no model to name, nothing worse)
         return None
     return from_config(text) if text is not None else None
+
+
+# The embedding matrices whose rows are the vocabulary (Llama, GPT-2, BERT, Meta's own names).
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
+
+
+def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | None, str | None]:
+    """An HF ``config.json`` made to describe the weights of ``tree`` it goes beside: its
+    layer count (``num_hidden_layers`` and the like) after slices, frankenmerges and layer
+    deletions, its ``dtype``/``torch_dtype`` after casts, its ``vocab_size`` after embedding
+    edits. Returns ``(text, warning)``: the text to write (the same text where nothing
+    changed; None where it cannot be kept true, the warning saying why) and a warning, if
+    any. A file that is no model config is left as it is."""
+    from treecli import _dtypes, _leaf, _tree
+    from treecli._keypath import format_keypath
+
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return text, None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return text, None
+    inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    layers: set[int] = set()
+    float_bytes: dict[str, int] = {}
+    vocab = None
+    for keypath, leaf in _tree.flatten(tree):
+        name = format_keypath(keypath)
+        found = layer_pattern.search(name)
+        if found:
+            layers.add(int(found.group(1)))
+        if _leaf.is_array(leaf):
+            array = _leaf.as_leaf(leaf)
+            if _dtypes.is_float(array.dtype_name):
+                float_bytes[array.dtype_name] = float_bytes.get(array.dtype_name, 0) + array.nbytes
+            if vocab is None and name.endswith(_EMBEDDINGS) and len(array.shape) == 2:
+                vocab = array.shape[0]
+    changed = False
+
+    def put(keys: tuple[str, ...], value: Any, scopes: tuple[dict, ...] = (config, inner or {})) -> None:
+        nonlocal changed
+        for scope in scopes:
+            for key in keys:
+                if key in scope and scope[key] != value:
+                    scope[key], changed = value, True
+
+    # (A model of several (a vision tower beside the text model) numbers the layers of each
+    # from 0: which count is which cannot be told from the names, so its counts stay.)
+    several = any(key.endswith("_config") and isinstance(value, dict) for key, value in config.items())
+    has_layers = any(_count(config.get(key)) is not None for key in _LAYER_KEYS)
+    if has_layers and not several:
+        if not layers:
+            return None, "config.json names layers and the weights written hold none; config.json not written"
+        if layers != set(range(len(layers))):
+            gaps = sorted(set(range(max(layers) + 1)) - layers)
+            return None, (f"the layers written are not numbered 0 to {len(layers) - 1} (no layer {gaps[0]}): "
+                          "config.json, which counts them, not written; renumber them (edit --rename) to keep it")
+        put(_LAYER_KEYS, len(layers), (config,))
+    if float_bytes:
+        put(("torch_dtype", "dtype"), max(float_bytes, key=float_bytes.get))
+    if vocab is not None:
+        put(("vocab_size",), vocab)
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n" if changed else text), None

@@ -175,7 +175,7 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
         with _atomic.atomic_directory(target, replace=existing is not None) as built:
             fmt.write(tree, built, options)
-            _copy_companions(built, options.companions)
+            _copy_companions(built, options.companions, tree, options)
             _checked(built, verify)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
@@ -247,7 +247,7 @@ def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: Wri
         cluster.agree("write its share", _one_line(lambda: _write_share(where, target, plan, share, options, verify),
                                                    target))
         if cluster.publishes and is_dir:
-            error = _one_line(lambda: _finish_directory(where, plan, options), target)
+            error = _one_line(lambda: _finish_directory(where, plan, tree, options), target)
         cluster.agree("finish the output", error)
     except BaseException:
         publishing.__exit__(*sys.exc_info())  # the temporary goes
@@ -311,22 +311,48 @@ def _write_share(where: Path, target: Path, plan: Any, share: tuple[int, int], o
             os.close(fd)
 
 
-def _finish_directory(built: Path, plan: Any, options: WriteOptions) -> None:
+def _finish_directory(built: Path, plan: Any, tree: Any, options: WriteOptions) -> None:
     """What process 0 writes once every share is: the companion files, then the index."""
-    _copy_companions(built, options.companions)
+    _copy_companions(built, options.companions, tree, options)
     if plan.last is not None:
         plan.last(built)
 
 
-def _copy_companions(built: Path, companions: Sequence[Path]) -> None:
-    """The input directory's other files (config.json, tokenizer files), unless written."""
+def _copy_companions(built: Path, companions: Sequence[Path], tree: Any, options: WriteOptions) -> None:
+    """The input directory's other files (config.json, tokenizer files), unless written; a
+    ``config.json`` made to describe the weights written (``_model.truthful_config``), or
+    left out, said, where it cannot be."""
     for companion in companions:
         if (built / companion.name).exists():
             continue
         if companion.is_dir():
             shutil.copytree(companion, built / companion.name, symlinks=True)
+        elif companion.name == "config.json":
+            _write_config(built / companion.name, companion, tree, options)
         else:
             shutil.copy2(companion, built / companion.name)
+
+
+def _write_config(target: Path, source: Path, tree: Any, options: WriteOptions) -> None:
+    """``source`` (an HF ``config.json``) at ``target``, describing ``tree``: copied as it is
+    where it already does, rewritten where a count or a dtype changed, left out (with a
+    warning) where it cannot be kept true."""
+    from treecli import _keypath
+    from treecli._bytes.local import read_text
+    from treecli.formats import _model
+
+    try:
+        text = read_text(source, 1 << 20, "config.json")
+    except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
+        shutil.copy2(source, target)
+        return
+    truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
+    if warning and options.warn:
+        options.warn(warning)
+    if truthful == text:
+        shutil.copy2(source, target)
+    elif truthful is not None:
+        target.write_text(truthful)
 
 
 def _one_line(step: Callable[[], Any], target: Path) -> str | None:
@@ -369,15 +395,38 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
             with _atomic.atomic_file(origin.path, like=like) as tmp:
                 fmt.write(tree, tmp, options)
                 _checked(tmp, verify)
+            _config_kept_true(checkpoint, tree, options)
             return origin.path
         if origin.layout == "sharded":
             fmt.write_in_place(tree, origin, options)
+            _config_kept_true(checkpoint, tree, options)
             return origin.path.parent
         check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
         with _atomic.atomic_directory(origin.path, replace=True) as built:
             fmt.write(tree, built, options)
             _checked(built, verify)
         return origin.path
+
+
+def _config_kept_true(checkpoint: Checkpoint, tree: Any, options: WriteOptions) -> None:
+    """After an HF directory's weights were rewritten in place: its ``config.json`` made to
+    describe them (atomically), or a warning where it cannot be."""
+    config = next((p for p in checkpoint.companions if p.name == "config.json" and p.is_file()), None)
+    if config is None:
+        return
+    from treecli import _keypath
+    from treecli._bytes.local import read_text
+    from treecli.formats import _model
+
+    text = read_text(config, 1 << 20, "config.json")
+    truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
+    if truthful is None:
+        warning = f"{warning.replace(' not written', ' left as it was, now describing other weights')}"
+    if warning and options.warn:
+        options.warn(warning)
+    if truthful is not None and truthful != text:
+        with _atomic.atomic_file(config, like=os.stat(config)) as tmp:
+            tmp.write_text(truthful)
 
 
 def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:

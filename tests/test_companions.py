@@ -1,0 +1,94 @@
+"""Issue 42, item 3: the config.json an HF directory output carries describes the weights
+written: layers after slices, frankenmerges and deletions, the dtype after casts, the
+vocabulary after embedding edits; a config that cannot be kept true is not written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from .conftest import BF16
+
+
+def _hf_model(directory, seed=0, layers=4, vocab=32, dtype_key="torch_dtype"):
+    directory.mkdir()
+    rng = np.random.default_rng(seed)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((8, 4)).astype(np.float32)
+               for i in range(layers)}
+    tensors["model.embed_tokens.weight"] = rng.standard_normal((vocab, 4)).astype(np.float32)
+    tensors["model.norm.weight"] = np.ones(4, np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+              "vocab_size": vocab, "hidden_size": 4, dtype_key: "float32"}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
+def _config(directory):
+    return json.loads((directory / "config.json").read_text())
+
+
+def test_a_frankenmerge_s_config_counts_the_layers_it_stacked(cli, tmp_path):
+    """mergekit's passthrough slices (layers 0-2 of one model, 1-3 of another): six layers,
+    and config.json says six (it said four, as both inputs)."""
+    a, b = _hf_model(tmp_path / "a"), _hf_model(tmp_path / "b", seed=1)
+    (tmp_path / "franken.yml").write_text(
+        "merge_method: passthrough\nslices:\n"
+        f"  - sources: [{{model: {a}, layer_range: [0, 3]}}]\n"
+        f"  - sources: [{{model: {b}, layer_range: [1, 4]}}]\n")
+    result = cli("merge", "--config", tmp_path / "franken.yml", "-o", tmp_path / "out")
+    assert result.code == 0, result.stderr
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(k for k in weights if ".layers." in k) == [f"model.layers.{i}.mlp.up_proj.weight" for i in range(6)]
+    assert _config(tmp_path / "out")["num_hidden_layers"] == 6
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
+    assert cli("show", tmp_path / "out", "--json").json["model"]["layers"] == 6
+
+
+@pytest.mark.parametrize("dtype_key", ["torch_dtype", "dtype"])
+def test_a_cast_s_config_names_the_dtype_written(cli, tmp_path, dtype_key):
+    model = _hf_model(tmp_path / "m", dtype_key=dtype_key)
+    assert cli("edit", model, "--cast", "**=bfloat16", "-o", tmp_path / "half").code == 0
+    assert _config(tmp_path / "half")[dtype_key] == "bfloat16"
+    assert load_file(str(tmp_path / "half" / "model.safetensors"))["model.norm.weight"].dtype == BF16
+    assert cli("convert", model, tmp_path / "f16", "--dtype", "float16").code == 0
+    assert _config(tmp_path / "f16")[dtype_key] == "float16"
+    # in place: the config is rewritten beside the weights
+    assert cli("edit", model, "--in-place", "--cast", "**=bfloat16").code == 0
+    assert _config(model)[dtype_key] == "bfloat16"
+
+
+def test_a_config_already_true_is_copied_byte_for_byte(cli, tmp_path):
+    model = _hf_model(tmp_path / "m")
+    text = (model / "config.json").read_text().replace("\n", "\n  ", 1)  # its own layout, kept as it is
+    (model / "config.json").write_text(text)
+    assert cli("edit", model, "--scale", "model.norm.weight=2", "-o", tmp_path / "out").code == 0
+    assert (tmp_path / "out" / "config.json").read_text() == text
+
+
+def test_an_embedding_cut_s_config_counts_its_vocabulary(cli, tmp_path):
+    model = _hf_model(tmp_path / "m", vocab=32)
+    assert cli("slice", model, "--index", "model.embed_tokens.weight=:24", "-o", tmp_path / "cut").code == 0
+    assert _config(tmp_path / "cut")["vocab_size"] == 24
+
+
+def test_a_config_that_cannot_be_kept_true_is_said_and_not_written(cli, tmp_path):
+    """Layer 2 deleted: layers 0, 1, 3 remain; no count describes them (transformers would
+    load layers 0-2), so the output has no config.json, and the warning says how to keep one."""
+    model = _hf_model(tmp_path / "m")
+    result = cli("edit", model, "--delete", "model.layers.2.**", "-o", tmp_path / "gap")
+    assert result.code == 0, result.stderr
+    assert "no layer 2" in result.stderr and "config.json" in result.stderr
+    assert not (tmp_path / "gap" / "config.json").exists()
+    assert (tmp_path / "gap" / "tokenizer.json").exists()
+    renumbered = cli("edit", tmp_path / "gap", "--rename", "model.layers.3.**=model.layers.2.**",
+                     "-o", tmp_path / "renumbered")
+    assert renumbered.code == 0, renumbered.stderr
+    # (the gap's output has no config.json to carry: nothing was invented either)
+    assert not (tmp_path / "renumbered" / "config.json").exists()
+    again = cli("edit", model, "--delete", "model.layers.3.**", "-o", tmp_path / "three")
+    assert again.code == 0 and _config(tmp_path / "three")["num_hidden_layers"] == 3
