@@ -92,3 +92,42 @@ def test_a_config_that_cannot_be_kept_true_is_said_and_not_written(cli, tmp_path
     assert not (tmp_path / "renumbered" / "config.json").exists()
     again = cli("edit", model, "--delete", "model.layers.3.**", "-o", tmp_path / "three")
     assert again.code == 0 and _config(tmp_path / "three")["num_hidden_layers"] == 3
+
+
+def _tiny_llama(directory, seed):
+    """A random 4-layer Llama of transformers' own making, saved by save_pretrained."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
+def test_transformers_loads_a_frankenmerge_with_every_layer_it_stacked(cli, tmp_path):
+    """The consumer is the test: transformers loads treecli's frankenmerge of two of its own
+    models with six layers, none missing or unexpected, each the layer the slices name,
+    and a cast output in the dtype written."""
+    import torch
+    import transformers
+
+    a, b = _tiny_llama(tmp_path / "a", 0), _tiny_llama(tmp_path / "b", 1)
+    (tmp_path / "franken.yml").write_text(
+        "merge_method: passthrough\ndtype: float32\nslices:\n"
+        f"  - sources: [{{model: {tmp_path / 'a'}, layer_range: [0, 3]}}]\n"
+        f"  - sources: [{{model: {tmp_path / 'b'}, layer_range: [1, 4]}}]\n")
+    assert cli("merge", "--config", tmp_path / "franken.yml", "-o", tmp_path / "out").code == 0
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert merged.config.num_hidden_layers == 6 and len(merged.model.layers) == 6
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for out_layer, (source, layer) in enumerate([(a, 0), (a, 1), (a, 2), (b, 1), (b, 2), (b, 3)]):
+        assert torch.equal(merged.model.layers[out_layer].mlp.up_proj.weight, source.model.layers[layer].mlp.up_proj.weight)
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.isfinite(merged(tokens).logits).all()
+    assert cli("convert", tmp_path / "a", tmp_path / "half", "--dtype", "bfloat16").code == 0
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype="auto")
+    assert half.dtype == torch.bfloat16
