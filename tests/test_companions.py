@@ -82,7 +82,7 @@ def test_a_config_that_cannot_be_kept_true_is_said_and_not_written(cli, tmp_path
     model = _hf_model(tmp_path / "m")
     result = cli("edit", model, "--delete", "model.layers.2.**", "-o", tmp_path / "gap")
     assert result.code == 0, result.stderr
-    assert "no layer 2" in result.stderr and "config.json" in result.stderr
+    assert "no model.layers.2" in result.stderr and "config.json" in result.stderr
     assert not (tmp_path / "gap" / "config.json").exists()
     assert (tmp_path / "gap" / "tokenizer.json").exists()
     renumbered = cli("edit", tmp_path / "gap", "--rename", "model.layers.3.**=model.layers.2.**",
@@ -92,6 +92,26 @@ def test_a_config_that_cannot_be_kept_true_is_said_and_not_written(cli, tmp_path
     assert not (tmp_path / "renumbered" / "config.json").exists()
     again = cli("edit", model, "--delete", "model.layers.3.**", "-o", tmp_path / "three")
     assert again.code == 0 and _config(tmp_path / "three")["num_hidden_layers"] == 3
+
+
+def test_layers_of_several_stacks_or_of_unknown_names_keep_their_counts(cli, tmp_path):
+    """An encoder and a decoder (BART's names) number their layers each from 0, T5 names
+    them block.N: the counts cannot be told apart or found, so config.json keeps them (its
+    dtype still follows a cast); a gap in either stack still cannot be described."""
+    for name, keys in (("bart", [f"model.{side}.layers.{i}.fc1.weight" for side in ("encoder", "decoder")
+                                 for i in range(3)]),
+                       ("t5", [f"encoder.block.{i}.layer.0.w" for i in range(3)])):
+        model = tmp_path / name
+        model.mkdir()
+        save_file({k: np.ones((2, 2), np.float32) for k in keys}, str(model / "model.safetensors"))
+        (model / "config.json").write_text(json.dumps({"model_type": name, "num_layers": 3,
+                                                       "num_hidden_layers": 3, "torch_dtype": "float32"}))
+        assert cli("edit", model, "--cast", "**=float16", "-o", tmp_path / f"{name}-half").code == 0
+        assert _config(tmp_path / f"{name}-half") == {"model_type": name, "num_layers": 3, "num_hidden_layers": 3,
+                                                      "torch_dtype": "float16"}
+    gap = cli("edit", tmp_path / "bart", "--delete", "model.decoder.layers.1.**", "-o", tmp_path / "bart-gap")
+    assert gap.code == 0 and "no model.decoder.layers.1" in gap.stderr
+    assert not (tmp_path / "bart-gap" / "config.json").exists()
 
 
 def _tiny_llama(directory, seed):

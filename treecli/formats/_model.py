@@ -103,14 +103,14 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         return text, None
     inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
-    layers: set[int] = set()
+    stacks: dict[str, set[int]] = {}  # the layers' numbers, by what precedes them ("model.layers.")
     float_bytes: dict[str, int] = {}
     vocab = None
     for keypath, leaf in _tree.flatten(tree):
         name = format_keypath(keypath)
         found = layer_pattern.search(name)
         if found:
-            layers.add(int(found.group(1)))
+            stacks.setdefault(name[: found.start(1)], set()).add(int(found.group(1)))
         if _leaf.is_array(leaf):
             array = _leaf.as_leaf(leaf)
             if _dtypes.is_float(array.dtype_name):
@@ -126,18 +126,20 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
                 if key in scope and scope[key] != value:
                     scope[key], changed = value, True
 
-    # (A model of several (a vision tower beside the text model) numbers the layers of each
-    # from 0: which count is which cannot be told from the names, so its counts stay.)
-    several = any(key.endswith("_config") and isinstance(value, dict) for key, value in config.items())
+    # The count is kept true for one stack of layers. A model of several (an encoder and a
+    # decoder, a vision tower beside the text model) numbers each from 0, and which count is
+    # which cannot be told from the names; layers named in a way the pattern does not know
+    # (T5's block.N) cannot be counted: there, the counts stay as they were.
+    several = len(stacks) > 1 or any(key.endswith("_config") and isinstance(value, dict)
+                                     for key, value in config.items())
     has_layers = any(_count(config.get(key)) is not None for key in _LAYER_KEYS)
-    if has_layers and not several:
-        if not layers:
-            return None, "config.json names layers and the weights written hold none; config.json not written"
-        if layers != set(range(len(layers))):
+    for prefix, layers in stacks.items():  # (a stack with a gap: no count of it can be true)
+        if has_layers and layers != set(range(len(layers))):
             gaps = sorted(set(range(max(layers) + 1)) - layers)
-            return None, (f"the layers written are not numbered 0 to {len(layers) - 1} (no layer {gaps[0]}): "
+            return None, (f"the layers written are not numbered 0 to {len(layers) - 1} (no {prefix}{gaps[0]}): "
                           "config.json, which counts them, not written; renumber them (edit --rename) to keep it")
-        put(_LAYER_KEYS, len(layers), (config,))
+    if has_layers and len(stacks) == 1 and not several:
+        put(_LAYER_KEYS, len(next(iter(stacks.values()))), (config,))
     if float_bytes:
         put(("torch_dtype", "dtype"), max(float_bytes, key=float_bytes.get))
     if vocab is not None:
