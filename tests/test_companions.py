@@ -151,3 +151,34 @@ def test_transformers_loads_a_frankenmerge_with_every_layer_it_stacked(cli, tmp_
     assert cli("convert", tmp_path / "a", tmp_path / "half", "--dtype", "bfloat16").code == 0
     half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype="auto")
     assert half.dtype == torch.bfloat16
+
+
+def test_tokenizer_source_names_the_model_whose_tokenizer_the_output_takes(cli, tmp_path):
+    """mergekit's tokenizer_source: base or a model; the output directory takes that
+    model's tokenizer files (and its config, kept true). A union of vocabularies, a name
+    that is no model of the config, and a tokenizer whose vocabulary does not fit the
+    weights written are each one line, and nothing is written."""
+    base, other = _hf_model(tmp_path / "base"), _hf_model(tmp_path / "other", seed=1)
+    (other / "tokenizer.json").write_text('{"other": true}')
+    text = (f"merge_method: linear\nbase_model: {base}\nmodels: [{{model: {base}}}, {{model: {other}}}]\n"
+            "tokenizer_source: SOURCE\n")
+    for source, expected in (("base", "{}"), (str(other), '{"other": true}')):
+        (tmp_path / "merge.yml").write_text(text.replace("SOURCE", source))
+        out = tmp_path / f"out-{len(expected)}"
+        result = cli("merge", "--config", tmp_path / "merge.yml", "-o", out)
+        assert result.code == 0, result.stderr
+        assert (out / "tokenizer.json").read_text() == expected and _config(out)["num_hidden_layers"] == 4
+    for source, fragment in (("union", "tokenizer_source: union builds a tokenizer"),
+                             ("elsewhere", "'elsewhere': name base or one of the config's models")):
+        (tmp_path / "merge.yml").write_text(text.replace("SOURCE", source))
+        result = cli("merge", "--config", tmp_path / "merge.yml", "-o", tmp_path / "refused")
+        assert result.code == 2 and fragment in result.stderr and not (tmp_path / "refused").exists()
+    wide = _hf_model(tmp_path / "wide", vocab=40)
+    (tmp_path / "franken.yml").write_text(
+        f"merge_method: passthrough\ntokenizer_source: {wide}\nslices:\n"
+        f"  - sources: [{{model: {base}, layer_range: [0, 2]}}]\n"
+        f"  - sources: [{{model: {wide}, layer_range: [2, 4]}}]\n")
+    result = cli("merge", "--config", tmp_path / "franken.yml", "-o", tmp_path / "misfit")
+    assert result.code == 2 and "its vocabulary has 40 tokens, the output's model.embed_tokens.weight 32 rows" \
+        in result.stderr
+    assert not (tmp_path / "misfit").exists()

@@ -170,7 +170,7 @@ models:
   - model: {b}
 merge_method: slerp
 base_model: {a}
-tokenizer_source: union
+tokenizer: {{source: union}}
 chat_template: chatml
 parameters:
   t: 0.3
@@ -179,7 +179,7 @@ parameters:
     result = cli("merge", "--config", config, "-o", tmp_path / "out.safetensors")
     assert result.code == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert sum("tokenizer_source is ignored" in line for line in lines) == 1
+    assert sum("tokenizer is ignored" in line for line in lines) == 1
     assert sum("chat_template is ignored" in line for line in lines) == 1
     assert sum("parameter density is not one of slerp's; ignored" in line for line in lines) == 1
 

@@ -59,7 +59,25 @@ def merge_config(config: Any, trees: dict[str, Any], *, seed: int = 0, non_float
         merged, report = _merged_models(config, inputs, pattern, seed, non_float, report)
     if out_dtype is not None:
         merged = _combine.cast_floats(merged, out_dtype, report)
+    if config.tokenizer_source is not None:
+        _check_vocabulary(merged, trees[config.tokenizer_source], config.tokenizer_source)
     return merged, report
+
+
+def _check_vocabulary(merged: Any, source: Any, name: str) -> None:
+    """The output's embeddings have as many rows as ``tokenizer_source``'s model has tokens
+    (its own embeddings' rows): else its tokenizer would not fit the weights."""
+    def rows(tree: Any) -> dict[str, int]:
+        return {text: leaf.shape[0] for kp, leaf in _tree.flatten(tree)
+                if (text := format_keypath(kp)).endswith(_keypath.EMBEDDINGS) and _leaf.is_array(leaf)
+                and len(leaf.shape) == 2}
+
+    theirs = rows(source)
+    for text, count in rows(merged).items():
+        if text in theirs and theirs[text] != count:
+            raise UsageError(f"tokenizer_source {name!r}: its vocabulary has {theirs[text]} tokens, the output's "
+                             f"{text} {count} rows; a tokenizer that fits the weights is another model's",
+                             keypath=text)
 
 
 def _settings(config: _mergeconfig.MergeConfig, out_slice: _mergeconfig.OutputSlice, models: list[str],

@@ -66,6 +66,8 @@ Pattern = tuple  # tuple[Segment, ...]
 # A layer's number in a key path's text: what follows ``layers``, ``blocks``, ``h`` or ``layer``
 # (``model.layers.12.mlp.up_proj.weight`` is layer 12).
 LAYER_PATTERN = r"(?:^|\.)(?:layers|blocks|h|layer)\.(\d+)(?:\.|$)"
+# The embedding matrices whose rows are a model's vocabulary (Llama, GPT-2, BERT, Meta's own names).
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
 
 
 def layer_regex(pattern: str | None, what: str = "--layer-pattern") -> re.Pattern:

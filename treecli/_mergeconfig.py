@@ -1,7 +1,7 @@
 """A mergekit merge config (``merge.yml``), read and resolved as mergekit 0.1.5 does.
 
 The file is parsed with ``yaml.safe_load`` (plain data, nothing constructed from
-tags). Keys treecli cannot honour (``tokenizer_source``, ``tokenizer``,
+tags). Keys treecli cannot honour (``tokenizer``,
 ``chat_template``, ``residual_weight``) are warned about once each and ignored;
 any other unknown key is an error naming the closest known one, and so is a
 parameter name no method takes (mergekit silently ignores it).
@@ -27,8 +27,7 @@ from treecli._keypath import closest
 
 TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype", "layer_pattern",
             "tokenizer_source", "tokenizer", "chat_template", "modules", "name")
-IGNORED = {"tokenizer_source": "the tokenizer is not a tensor; copy it beside the output yourself",
-           "tokenizer": "the tokenizer is not a tensor; copy it beside the output yourself",
+IGNORED = {"tokenizer": "treecli takes a model's tokenizer whole (tokenizer_source), never builds one",
            "chat_template": "the chat template is not a tensor; copy it beside the output yourself",
            "residual_weight": "mergekit defines it and never uses it",
            "name": "a name for the config"}
@@ -68,6 +67,9 @@ class MergeConfig:
     layer_pattern: str | None = None
     from_slices: bool = False  # ``slices`` (layers picked and stacked), not ``models``
     warnings: list[str] = field(default_factory=list)
+    #: The model whose tokenizer (and other files) the output takes: ``tokenizer_source``'s
+    #: model, ``base`` being the base model's; None: mergekit's default, the base (else the first).
+    tokenizer_source: str | None = None
 
     def models(self) -> list[str]:
         """Every model the config names, the base first, each once."""
@@ -169,8 +171,28 @@ class _Parser:
         pattern = data.get("layer_pattern")
         if pattern is not None and not isinstance(pattern, str):
             raise self.fail("layer_pattern", "expected a regular expression")
-        return MergeConfig(method, base, slices, parameters, dtypes["dtype"], dtypes["out_dtype"], pattern,
-                           from_slices="slices" in data, warnings=list(dict.fromkeys(self.warnings)))
+        config = MergeConfig(method, base, slices, parameters, dtypes["dtype"], dtypes["out_dtype"], pattern,
+                             from_slices="slices" in data, warnings=list(dict.fromkeys(self.warnings)))
+        config.tokenizer_source = self.tokenizer_source(data.get("tokenizer_source"), config)
+        return config
+
+    def tokenizer_source(self, value: Any, config: MergeConfig) -> str | None:
+        """The model ``tokenizer_source`` names: ``base`` or one of the config's models. A
+        ``union`` of vocabularies needs the embeddings realigned row by row, which treecli
+        does not do: refused."""
+        if value is None:
+            return None
+        if value == "union":
+            raise self.fail("tokenizer_source", "union builds a tokenizer of every model's tokens and realigns the "
+                                                "embeddings; treecli does not: name base or one of the models")
+        if value == "base":
+            if config.base_model is None:
+                raise self.fail("tokenizer_source", "base names the base model, and the config has no base_model")
+            return config.base_model
+        if not isinstance(value, str) or value not in config.models():
+            raise self.fail("tokenizer_source", f"{shown(value)}: name base or one of the config's models "
+                                                f"({', '.join(config.models())})")
+        return value
 
     def listed(self, value: Any, path: str) -> list:
         if not isinstance(value, list) or not value:

@@ -138,7 +138,8 @@ def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern:
         opened = {name: stack.enter_context(open_input(out, name, like=like)) for name in config.models()}
         tree, report = merge_config(config, {name: c.tree for name, c in opened.items()}, seed=seed,
                                     non_float=non_float, layer_pattern=layer_pattern)
-        first = next(iter(opened.values()))
+        # the files beside the weights (the tokenizer, config.json) are tokenizer_source's model's, else the first's
+        first = opened[config.tokenizer_source] if config.tokenizer_source else next(iter(opened.values()))
         written = write_output(out, tree, output, source=first, inputs=list(opened.values()), format=format,
                                force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported,
                                verify=verify)

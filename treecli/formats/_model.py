@@ -82,10 +82,6 @@ def of_folder(folder: Any) -> Model | None:
     return from_config(text) if text is not None else None
 
 
-# The embedding matrices whose rows are the vocabulary (Llama, GPT-2, BERT, Meta's own names).
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
-
-
 def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | None, str | None]:
     """An HF ``config.json`` made to describe the weights of ``tree`` it goes beside: its
     layer count (``num_hidden_layers`` and the like) after slices, frankenmerges and layer
@@ -94,7 +90,7 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     changed; None where it cannot be kept true, the warning saying why) and a warning, if
     any. A file that is no model config is left as it is."""
     from treecli import _dtypes, _leaf, _tree
-    from treecli._keypath import format_keypath
+    from treecli._keypath import EMBEDDINGS, format_keypath
 
     try:
         config = json.loads(text)
@@ -115,7 +111,7 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
             array = _leaf.as_leaf(leaf)
             if _dtypes.is_float(array.dtype_name):
                 float_bytes[array.dtype_name] = float_bytes.get(array.dtype_name, 0) + array.nbytes
-            if vocab is None and name.endswith(_EMBEDDINGS) and len(array.shape) == 2:
+            if vocab is None and name.endswith(EMBEDDINGS) and len(array.shape) == 2:
                 vocab = array.shape[0]
     changed = False
 
