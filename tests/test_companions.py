@@ -182,3 +182,27 @@ def test_tokenizer_source_names_the_model_whose_tokenizer_the_output_takes(cli, 
     assert result.code == 2 and "its vocabulary has 40 tokens, the output's model.embed_tokens.weight 32 rows" \
         in result.stderr
     assert not (tmp_path / "misfit").exists()
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"model_type": "llama", "num_hidden_layers": 1e400}',
+                                  '{"model_type": "llama", "num_hidden_layers": true, "vocab_size": -3}',
+                                  '{"model_type": "llama", "num_hidden_layers": 100000000000000000000}',
+                                  " " * (1 << 20) + '{"model_type": "llama", "num_hidden_layers": 9}'],
+                         ids=["deep", "inf", "bool", "huge", "over 1 MiB"])
+def test_a_hostile_config_json_is_no_model_and_travels_as_it_is(cli, tmp_path, text):
+    """A config.json nested past Python's parser, or with counts that are no counts, names
+    no model (or none of its counts) and never makes a traceback; beside the output it
+    travels unchanged, but for a vocabulary size the weights can say (-3 becomes 32)."""
+    model = _hf_model(tmp_path / "m")
+    (model / "config.json").write_text(text)
+    shown = cli("show", model, "--json")
+    assert shown.code == 0, shown.stderr
+    assert shown.json.get("model") in (None, {"architecture": "llama", "layers": None, "vocab": None})
+    assert cli("convert", model, tmp_path / "out").code == 0
+    assert cli("edit", model, "--in-place", "--scale", "model.norm.weight=2").code == 0
+    written = (tmp_path / "out" / "config.json").read_text()
+    if '"vocab_size": -3' in text:
+        assert json.loads(written) == json.loads((model / "config.json").read_text()) == {**json.loads(text),
+                                                                                          "vocab_size": 32}
+    else:
+        assert written == (model / "config.json").read_text() == text

@@ -31,17 +31,25 @@ class Model:
 
 
 def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
+    """A count a config may give (a layer count, a vocabulary size): a plain int, not a
+    bool, not absurd."""
+    return value if type(value) is int and 0 <= value < 1 << 40 else None
+
+
+def _json(text: str) -> Any:
+    """A config's JSON, or None where it is not JSON (or nests deeper than Python's parser
+    goes: a hostile file is no config, never a traceback)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def from_config(text: str) -> Model | None:
     """The model an HF ``config.json`` describes (a multimodal one's text model gives the
     layers and vocabulary where the top level does not), or None: not JSON, no
     ``model_type``."""
-    try:
-        config = json.loads(text)
-    except ValueError:
-        return None
+    config = _json(text)
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         return None
     inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -92,10 +100,7 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     from treecli import _dtypes, _leaf, _tree
     from treecli._keypath import EMBEDDINGS, format_keypath
 
-    try:
-        config = json.loads(text)
-    except ValueError:
-        return text, None
+    config = _json(text)
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         return text, None
     inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else None

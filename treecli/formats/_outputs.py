@@ -418,7 +418,10 @@ def _config_kept_true(checkpoint: Checkpoint, tree: Any, options: WriteOptions) 
     from treecli._bytes.local import read_text
     from treecli.formats import _model
 
-    text = read_text(config, 1 << 20, "config.json")
+    try:
+        text = read_text(config, 1 << 20, "config.json")
+    except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
+        return
     truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
     if truthful is None:
         warning = f"{warning.replace(' not written', ' left as it was, now describing other weights')}"
