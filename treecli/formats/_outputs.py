@@ -342,7 +342,7 @@ def _write_config(target: Path, source: Path, tree: Any, options: WriteOptions) 
     from treecli.formats import _model
 
     try:
-        text = read_text(source, 1 << 20, "config.json")
+        text = read_text(source, what="config.json")
     except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
         shutil.copy2(source, target)
         return
@@ -419,7 +419,7 @@ def _config_kept_true(checkpoint: Checkpoint, tree: Any, options: WriteOptions) 
     from treecli.formats import _model
 
     try:
-        text = read_text(config, 1 << 20, "config.json")
+        text = read_text(config, what="config.json")
     except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
         return
     truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
