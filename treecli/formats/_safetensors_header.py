@@ -15,14 +15,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import struct
-from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 from treecli import _dtypes, _gc
-from treecli._bytes.local import identity, open_regular
 from treecli._errors import FormatError
 from treecli._index import MAX_NDIM  # NumPy's limit: every leaf becomes a NumPy array
 
@@ -48,36 +45,24 @@ _ITEMSIZE = {name: _dtypes.itemsize(name) for name in _CODES.values()}
 # tensor is checked like any other and shown as an unread leaf, the rest of the file read.
 PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
-def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int, tuple]:
-    """Validate a safetensors file's header.
-
-    Returns:
-        ``(tensors, metadata, data_start, identity)``: ``name -> (dtype name,
-        shape, absolute byte offset)`` in header order; the ``__metadata__``
-        strings; the byte where the data region starts; the identity of the
-        file the header was read from (data must come from that same file).
-
-    Raises:
-        FormatError: naming the file and, where there is one, the tensor.
-    """
-    with open_regular(path) as f:
-        info = os.fstat(f.fileno())
-
-        def read(offset: int, size: int) -> bytes:
-            f.seek(offset)
-            return f.read(size)
-
-        return (*parse_header(read, info.st_size, str(path)), identity(info))
-
 
 def parse_header(read: Callable[[int, int], bytes], size: int | Callable[[int], int],
                  file: str) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], dict[str, str], int]:
     """Validate the header of a safetensors file of ``size`` bytes, read through
     ``read(offset, count)`` (a local file, or byte ranges of a remote one): checked
-    against the size before anything is allocated. Returns ``read_header``'s first three.
+    against the size before anything is allocated.
+
+    Returns:
+        ``(tensors, metadata, data_start)``: ``name -> (dtype name, shape, absolute byte
+        offset)`` in header order; the ``__metadata__`` strings; the byte where the data
+        region starts.
 
     A bucket object's size is not known up front: ``size`` is then a function that
-    returns it given the end of the data the header declares, or says what is wrong."""
+    returns it given the end of the data the header declares, or says what is wrong.
+
+    Raises:
+        FormatError: naming the file and, where there is one, the tensor.
+    """
     known = size if isinstance(size, int) else None
     prefix = read(0, 8) if known is None or known >= 8 else b""
     if len(prefix) < 8:
