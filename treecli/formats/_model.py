@@ -94,9 +94,9 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     """An HF ``config.json`` made to describe the weights of ``tree`` it goes beside: its
     layer count (``num_hidden_layers`` and the like) after slices, frankenmerges and layer
     deletions, its ``dtype``/``torch_dtype`` after casts, its ``vocab_size`` after embedding
-    edits. Returns ``(text, warning)``: the text to write (the same text where nothing
-    changed; None where it cannot be kept true, the warning saying why) and a warning, if
-    any. A file that is no model config is left as it is."""
+    edits. Returns ``(text, why)``: the text to write (the same text where nothing
+    changed), or None and why no text can describe the weights. A file that is no model
+    config is left as it is."""
     from treecli import _dtypes, _leaf, _tree
     from treecli._keypath import EMBEDDINGS, format_keypath
 
@@ -137,8 +137,8 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     for prefix, layers in stacks.items():  # (a stack with a gap: no count of it can be true)
         if has_layers and layers != set(range(len(layers))):
             gaps = sorted(set(range(max(layers) + 1)) - layers)
-            return None, (f"the layers written are not numbered 0 to {len(layers) - 1} (no {prefix}{gaps[0]}): "
-                          "config.json, which counts them, not written; renumber them (edit --rename) to keep it")
+            return None, (f"the layers written are not numbered 0 to {len(layers) - 1} (no {prefix}{gaps[0]}), "
+                          "so no count in config.json describes them (renumber them with edit --rename)")
     if has_layers and len(stacks) == 1 and not several:
         put(_LAYER_KEYS, len(next(iter(stacks.values()))), (config,))
     if float_bytes:

@@ -337,22 +337,30 @@ def _write_config(target: Path, source: Path, tree: Any, options: WriteOptions) 
     """``source`` (an HF ``config.json``) at ``target``, describing ``tree``: copied as it is
     where it already does, rewritten where a count or a dtype changed, left out (with a
     warning) where it cannot be kept true."""
+    texts = _truthful_config(source, tree, options, "config.json not written")
+    if texts is None or texts[1] == texts[0]:
+        shutil.copy2(source, target)
+    elif texts[1] is not None:
+        target.write_text(texts[1])
+
+
+def _truthful_config(config: Path, tree: Any, options: WriteOptions, otherwise: str
+                     ) -> tuple[str, str | None] | None:
+    """An HF ``config.json``'s text, and the text that describes ``tree``
+    (``_model.truthful_config``), or None for it where none can (a warning says why, and
+    ``otherwise``, what is done instead); None for both where it is no small text file."""
     from treecli import _keypath
     from treecli._bytes.local import read_text
     from treecli.formats import _model
 
     try:
-        text = read_text(source, what="config.json")
+        text = read_text(config, what="config.json")
     except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
-        shutil.copy2(source, target)
-        return
-    truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
-    if warning and options.warn:
-        options.warn(warning)
-    if truthful == text:
-        shutil.copy2(source, target)
-    elif truthful is not None:
-        target.write_text(truthful)
+        return None
+    truthful, why = _model.truthful_config(text, tree, _keypath.layer_regex(None))
+    if why and options.warn:
+        options.warn(f"{why}: {otherwise}")
+    return text, truthful
 
 
 def _one_line(step: Callable[[], Any], target: Path) -> str | None:
@@ -412,24 +420,11 @@ def _config_kept_true(checkpoint: Checkpoint, tree: Any, options: WriteOptions) 
     """After an HF directory's weights were rewritten in place: its ``config.json`` made to
     describe them (atomically), or a warning where it cannot be."""
     config = next((p for p in checkpoint.companions if p.name == "config.json" and p.is_file()), None)
-    if config is None:
-        return
-    from treecli import _keypath
-    from treecli._bytes.local import read_text
-    from treecli.formats import _model
-
-    try:
-        text = read_text(config, what="config.json")
-    except (OSError, TreecliError):  # (not a small text file: no model config to keep true)
-        return
-    truthful, warning = _model.truthful_config(text, tree, _keypath.layer_regex(None))
-    if truthful is None:
-        warning = f"{warning.replace(' not written', ' left as it was, now describing other weights')}"
-    if warning and options.warn:
-        options.warn(warning)
-    if truthful is not None and truthful != text:
+    texts = None if config is None else _truthful_config(
+        config, tree, options, "config.json left as it was, now describing other weights")
+    if texts is not None and texts[1] is not None and texts[1] != texts[0]:
         with _atomic.atomic_file(config, like=os.stat(config)) as tmp:
-            tmp.write_text(truthful)
+            tmp.write_text(texts[1])
 
 
 def check_room(fmt: Any, tree: Any, directory: Path, target: Path) -> None:
