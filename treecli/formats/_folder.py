@@ -12,14 +12,16 @@ request per question.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from treecli._errors import FormatError
+from treecli.formats._base import NotInFolder
 
 from treecli._bytes.local import MAX_TEXT_BYTES  # metadata files (_METADATA, _CHECKPOINT_METADATA) are far smaller
 MAX_KEYS = 1_000_000  # a listing longer than this is no checkpoint directory
@@ -351,6 +353,23 @@ def companions(directory: Path, checkpoint_files: set[str]) -> list[Path]:
         if p.is_file() or (p.is_dir() and not p.is_symlink()):
             out.append(p)
     return out
+
+
+@contextlib.contextmanager
+def presumed(folder: Folder, entry: str | None, why: str) -> Iterator[None]:
+    """Opening a file a format only presumed a folder holds (it cannot list an HTTP
+    directory, so it asks for the layout's name: its ``model.safetensors``): the server
+    having none (HTTP 404) is no checkpoint of this format, ``why`` (``NotInFolder``: the
+    next format is tried). A file the user named (``entry``) is never presumed."""
+    if entry is not None or folder.listable:
+        yield
+        return
+    from treecli._bytes.http import NotFoundError
+
+    try:
+        yield
+    except NotFoundError:
+        raise NotInFolder(why, file=folder.name) from None
 
 
 def companions_of(folder: Folder, checkpoint_files: set[str]) -> list[Path]:

@@ -20,8 +20,8 @@ from treecli._bytes.local import open_regular
 from treecli._errors import FormatError, NotDurableError, TreecliError, UsageError, counted, option
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
-from treecli.formats._base import Checkpoint, FilePlan, Format, NotInFolder, Origin, OutputPlan, WriteOptions
-from treecli.formats._folder import INDEX_SUFFIX, LocalFolder, companions_of, hf_weights
+from treecli.formats._base import Checkpoint, FilePlan, Format, Origin, OutputPlan, WriteOptions
+from treecli.formats._folder import INDEX_SUFFIX, LocalFolder, companions_of, hf_weights, presumed
 from treecli.formats._safetensors_header import _CODES, MAX_HEADER_BYTES, _parse_json, parse_header, tensor_leaf
 
 _CODE_OF_DTYPE = {name: code for code, name in _CODES.items()}
@@ -88,14 +88,7 @@ class SafetensorsFormat(Format):
             kind, name = ("index" if entry.endswith(INDEX_SUFFIX) else "file"), entry
         if kind == "index":
             return _open_sharded(folder, name, file=folder.named(name) if entry else folder.name)
-        if entry is None and not folder.listable:  # (an HTTP directory's model.safetensors, presumed)
-            from treecli._bytes.http import NotFoundError
-
-            try:
-                checkpoint = _open_file(folder, name)
-            except NotFoundError:
-                raise NotInFolder(f"no shard index or {name}", file=folder.name) from None
-        else:
+        with presumed(folder, entry, f"no shard index or {name}"):
             checkpoint = _open_file(folder, name)
         if entry is None:  # a directory of one file: it is the checkpoint, its other files its companions
             checkpoint.file = folder.name

@@ -29,8 +29,8 @@ from typing import Any
 from treecli import _leaf
 from treecli._bytes.local import open_regular
 from treecli._errors import FormatError, UsageError, option
-from treecli.formats._base import Checkpoint, Format, NotInFolder, Origin, WriteOptions
-from treecli.formats._folder import LocalFolder, companions_of
+from treecli.formats._base import Checkpoint, Format, Origin, WriteOptions
+from treecli.formats._folder import LocalFolder, companions_of, presumed
 from treecli.formats._torch_pickle import LEGACY_HEAD, is_legacy, items_of, read_legacy, read_zip, tree_of
 
 
@@ -111,7 +111,8 @@ class TorchFormat(Format):
             items, shards = _shard_items(folder.read_text(name), folder.named(name), present_shard_items)
             files = [name, *shards]
         else:
-            items, files = self._single(folder, name, entry, shard_items), [name]
+            with presumed(folder, entry, f"no {_INDEX} or {_SINGLE}"):
+                items, files = shard_items(name), [name]
         _fill(checkpoint, items)
         if local is not None:
             checkpoint.origin = Origin("sharded" if len(files) > 1 else "file", local / name,
@@ -119,19 +120,6 @@ class TorchFormat(Format):
         if entry is None:
             checkpoint.companions = companions_of(folder, set(files))
         return checkpoint
-
-    @staticmethod
-    def _single(folder: Any, name: str, entry: str | None, shard_items: Any) -> list[tuple[str, Any]]:
-        """One file's items; an HTTP directory's presumed ``pytorch_model.bin`` missing is
-        no PyTorch checkpoint (the next format is tried)."""
-        if entry is not None or folder.listable:
-            return shard_items(name)
-        from treecli._bytes.http import NotFoundError
-
-        try:
-            return shard_items(name)
-        except NotFoundError:
-            raise NotInFolder(f"no {_INDEX} or {_SINGLE}", file=folder.name) from None
 
 
 def _fill(checkpoint: Checkpoint, items: list[tuple[str, Any]]) -> None:
