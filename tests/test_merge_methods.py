@@ -355,7 +355,7 @@ def test_every_method_keeps_shape_and_dtype_on_any_rank(method):
             options = {"t": 0.3} if spec.param("t") else {}
             if spec.param("density"):
                 options["density"] = 0.5
-            out, report = merged(method, None if spec.base in ("added", "refused") else base, ms, **options)
+            out, report = merged(method, None if spec.takes_no_base else base, ms, **options)
             assert out.shape == shape and out.dtype == dtype, (method, shape, dtype)
             assert np.isfinite(out.astype(np.float64)).all() and not report.warnings(), (method, shape, dtype)
 

@@ -140,7 +140,7 @@ def _merged_models(config: _mergeconfig.MergeConfig, trees: dict[str, Any], patt
     _unused_parameters(config, report)
     names = [s.model for s in out_slice.sources]
     base = config.base_model
-    if spec.base in ("added", "refused"):
+    if spec.takes_no_base:
         if base is not None and base not in names:
             names.append(base)  # (mergekit adds the base as one more input)
         base = None
@@ -158,7 +158,7 @@ def _merged_models(config: _mergeconfig.MergeConfig, trees: dict[str, Any], patt
         return _settings(config, out_slice, names, method, text, t)
 
     merged, own = run.merge_with(method, trees[base] if base else None, [trees[n] for n in names], settings,
-                             names=names, base_name=base or "base", seed=seed, non_float=non_float)
+                                 names=names, base_name=base or "base", seed=seed, non_float=non_float)
     own.messages[:0] = report.messages
     return merged, own
 
@@ -205,7 +205,7 @@ def _stacked_slices(config: _mergeconfig.MergeConfig, trees: dict[str, Any], pat
                     where: str) -> Any:
         base = out_slice.base_model or config.base_model
         names = [s.model for s in out_slice.sources]
-        if spec.base in ("added", "refused"):
+        if spec.takes_no_base:
             base = None
         elif base is not None:
             if base not in names:

@@ -86,10 +86,7 @@ def merge(
 
     Args:
         trees: the models (lazy leaves, NumPy or JAX arrays).
-        method: one of ``merge_methods.METHODS``: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``,
-            ``dare_ties``, ``breadcrumbs``, ``breadcrumbs_ties``, ``della``, ``della_linear``,
-            ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``, ``model_stock``, ``nearswap``,
-            ``ram``, ``ramplus_tl``, ``sce``, ``arcee_fusion`` or ``passthrough``.
+        method: one of ``merge_methods.METHODS`` (the registry: ``linear``, ``ties``, ``slerp``, ...).
         base: the base model; required by the task methods. For ``slerp`` the base
             and one model, or two models without a base (the first is ``t = 0``).
         weights: one per model (default 1 each).

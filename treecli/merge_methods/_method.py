@@ -61,6 +61,11 @@ class MergeMethod:
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
 
+    @property
+    def takes_no_base(self) -> bool:
+        """Whether a base given is no base to it, only one more model (in a config, as mergekit)."""
+        return self.base in ("added", "refused")
+
 
 class LeafSettings:
     """One output leaf's parameters: the method's shared ones, and one dict per model

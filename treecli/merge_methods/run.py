@@ -31,7 +31,7 @@ def check_inputs(method: MergeMethod, has_base: bool, models: int, where: str = 
         else:
             wanted = (f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}")
             wanted += f" model{'s' if (high or low) != 1 else ''}"
-            wanted += " besides the base" if method.base not in ("added", "refused", "first") else ""
+            wanted += " besides the base" if not (method.takes_no_base or method.base == "first") else ""
         raise UsageError(f"{method.name} merges {wanted}{where}; {given} were given")
 
 
