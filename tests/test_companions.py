@@ -209,3 +209,16 @@ def test_a_hostile_config_json_is_no_model_and_travels_as_it_is(cli, tmp_path, t
                                                                                           **fixed}
     else:
         assert written == (model / "config.json").read_text() == text
+
+
+def test_a_fifo_named_config_json_names_no_model_and_is_not_carried(cli, tmp_path):
+    """A special file beside the weights is never read (it would block) nor copied."""
+    import os
+
+    model = _hf_model(tmp_path / "m")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    shown = cli("show", model, "--json")
+    assert shown.code == 0 and "model" not in shown.json, shown.stderr
+    assert cli("convert", model, tmp_path / "out").code == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "tokenizer.json"]

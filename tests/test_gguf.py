@@ -304,3 +304,19 @@ def test_show_names_the_model_a_gguf_s_metadata_describes(cli, tmp_path):
     assert shown.code == 0, shown.stderr
     assert shown.stdout.splitlines()[0].split("  ", 1)[1].startswith("gguf, llama, 2 layers, vocab 40, ")
     assert cli("show", path, "--json").json["model"] == {"architecture": "llama", "layers": 2, "vocab": 40}
+
+
+def test_a_gguf_architecture_from_the_file_is_escaped_and_bounded(cli, tmp_path):
+    import gguf
+
+    path = tmp_path / "evil.gguf"
+    writer = gguf.GGUFWriter(str(path), "evil\x1b[2J" + "x" * 500)
+    writer.add_tensor("w", np.ones((2, 2), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shown = cli("show", path)
+    assert shown.code == 0, shown.stderr
+    head = shown.stdout.splitlines()[0]
+    assert "\x1b" not in head and "evil" in head and "x" * 100 not in head
