@@ -15,12 +15,15 @@ PACKAGE = Path(__file__).parent.parent / "treecli"
 ENTRY = {"treecli", "treecli.__main__"}  # the public API's facade and `python -m treecli`: above everything
 CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._errors", "treecli._escape",
         "treecli._units", "treecli._leaf", "treecli._devices", "treecli._cluster", "treecli._tree", "treecli._pytree",
-        "treecli._gc", "treecli._memory", "treecli._atomic"}
+        "treecli._gc", "treecli._memory", "treecli._atomic", "treecli._names"}
 OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._configmerge",
               "treecli._edit", "treecli._diff", "treecli._layers"}
-ENGINES = {"treecli._combine", "treecli._selection", "treecli._mergeconfig"}  # shared by operations
+# shared by operations (and recipes): _tensor_ops' reversible leaves, _transforms' operations by name
+ENGINES = {"treecli._combine", "treecli._selection", "treecli._mergeconfig", "treecli._tensor_ops",
+           "treecli._transforms"}
 METHODS_PACKAGE = "treecli.merge_methods"  # an engine too: the registry of merge methods, one module a family
 API = {"treecli._api", "treecli._render"}
+RECIPES_PACKAGE = "treecli.recipes"  # with the API: a recipe reads a checkpoint's files and writes a format's metadata
 CONCRETE_SOURCES = {"treecli._bytes.local", "treecli._bytes.http", "treecli._bytes.kvstore", "treecli._bytes.upload"}
 
 
@@ -29,7 +32,7 @@ def layer(module: str) -> int:
         return 6
     if module.startswith("treecli.cli"):
         return 5
-    if module in API:
+    if module in API or module == RECIPES_PACKAGE or module.startswith(RECIPES_PACKAGE + "."):
         return 4
     if module in OPERATIONS or module in ENGINES or _in_methods(module):
         return 3

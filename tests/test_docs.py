@@ -101,7 +101,18 @@ def template(tmp_path_factory) -> Path:
     _equinox_model(box)
     _pytorch_files(box)
     _gguf_file(box / "model.gguf")
+    _models(box)
     return box
+
+
+def _models(box: Path) -> None:
+    """HF Llama and Qwen2 directories (tiny ones), and the Llama as the llama.cpp recipe writes it."""
+    from .tiny_llama import write_model
+
+    write_model(box / "Llama-3.2-1B", "llama")
+    write_model(box / "Qwen2-0.5B", "qwen2")
+    result = run_cli("convert", box / "Llama-3.2-1B", box / "llama.gguf", "--recipe", "llama.cpp", "-q")
+    assert result.code == 0, result.stderr
 
 
 def _gguf_file(path: Path) -> None:

@@ -107,9 +107,9 @@ def test_slicing_a_file_leaf_reads_only_the_selected_member(tmp_path):
 
 
 def test_slicing_large_rows_in_chunks_reads_each_row_once(tmp_path, monkeypatch):
-    from treecli import _leaf, _slice
+    from treecli import _leaf, _tensor_ops
 
-    monkeypatch.setattr(_slice, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_tensor_ops, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(_leaf, "CHUNK_BYTES", 1024)
     array = np.arange(6 * 1000, dtype=np.float32).reshape(6, 1000)
     path = tmp_path / "a.safetensors"

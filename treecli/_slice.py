@@ -12,7 +12,6 @@ for chunks, and then only the source rows those chunks need.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,7 @@ from treecli import _index, _keypath, _leaf, _tree
 from treecli._errors import KeyPathError, UsageError, option
 from treecli._escape import clipped
 from treecli._keypath import format_keypath
-from treecli._leaf import CHUNK_BYTES, ArrayLeaf, ComputedLeaf
+from treecli._tensor_ops import sliced_leaf
 
 
 @dataclass
@@ -112,60 +111,3 @@ def slice_tree(tree: Any, rules: list[Rule | str]) -> tuple[Any, SliceReport]:
         return sliced_leaf(leaf, rule.index, shape)
 
     return _tree.map_leaves(apply, tree), report
-
-
-def sliced_leaf(source: ArrayLeaf, index: tuple, shape: tuple[int, ...] | None = None) -> ComputedLeaf:
-    """A computed leaf equal to ``source[index]``, produced by output rows on demand.
-
-    The output is cut into blocks of rows along its first selected axis (about
-    one chunk each); a block is read from the source with ``read(index)``
-    (only its bytes, for file leaves). The last block is kept, so a writer
-    asking for consecutive chunks reads each source row once.
-    """
-    shape = _index.result_shape(source.shape, index) if shape is None else shape
-    selectors = _index.selectors(source.shape, index)
-    axis = next((i for i, s in enumerate(selectors) if isinstance(s, range)), None)
-    row_elems = math.prod(len(s) for s in selectors[axis + 1 :] if isinstance(s, range)) if axis is not None else 1
-    rows_per_block = max(1, CHUNK_BYTES // max(1, row_elems * source.itemsize))
-    block_elems = rows_per_block * row_elems
-    cache: dict[str, Any] = {}
-
-    def block(b: int):
-        """Output rows [b * rows_per_block, ...) as a flat array; the last block is kept."""
-        if cache.get("block") != b:
-            sub = list(selectors)
-            sub[axis] = selectors[axis][b * rows_per_block : (b + 1) * rows_per_block]
-            cache["block"], cache["data"] = b, source.read(_as_index(sub)).reshape(-1)
-        return cache["data"]
-
-    def compute(start: int, stop: int):
-        import numpy as np
-
-        if axis is None or row_elems == 0:
-            return source.read(index).reshape(-1)[start:stop]
-        pieces, position = [], start
-        while position < stop:
-            b = position // block_elems
-            data, base = block(b), b * block_elems
-            end = min(stop, base + data.size)
-            pieces.append(data[position - base : end - base])
-            position = end
-        if stop == math.prod(shape):
-            cache.clear()  # the writer has the last chunk: hold nothing for a finished leaf
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-    def compute_index(sub_index: Any):
-        whole = source.read(index)
-        return whole if sub_index == () else whole[sub_index].copy()
-
-    return ComputedLeaf(shape, source.dtype_name, compute, compute_index, inputs=[source])
-
-
-def _as_index(selectors: list) -> tuple:
-    out = []
-    for s in selectors:
-        if isinstance(s, range):
-            out.append(slice(s.start, s.stop if s.stop >= 0 else None, s.step))
-        else:
-            out.append(s)
-    return tuple(out)

@@ -66,12 +66,14 @@ def write_output(
     metadata: dict[str, Any] | None = None,
     verify: bool = False,
     decided: tuple[Any, bool] | None = None,
+    companions: Sequence[Path] | None = None,
 ) -> str | Path:
     """Write a tree the way every command does: atomically, streaming, with a progress bar;
     with ``verify``, read back and compared bit for bit before it replaces anything (a
     local output; an upload is checked by its checksums).
 
-    ``in_place`` rewrites ``source`` where it lies (``target`` is then None). The output's
+    ``in_place`` rewrites ``source`` where it lies (``target`` is then None). A directory
+    output gets ``companions`` beside its weights, by default ``source``'s. The output's
     format is decided once (``decided``, when the command needed it first: ``output_format``).
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
@@ -96,7 +98,7 @@ def write_output(
         options = WriteOptions(
             metadata=dict(source.metadata if metadata is None else metadata),
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-            companions=list(source.companions),
+            companions=list(source.companions if companions is None else companions),
             drop_unsupported=drop_unsupported,
             like=source.like,
             progress=advance,

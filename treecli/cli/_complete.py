@@ -88,6 +88,13 @@ def complete_cast(ctx: Any, args: list[str], incomplete: str) -> list[str]:
     return [f"{pattern}={name}" for name in complete_dtypes(dtype)]
 
 
+def complete_recipe(incomplete: str) -> list[str]:
+    """``--recipe``: the built-in recipes' names (a YAML file is completed by the shell)."""
+    from treecli.recipes import BUILTIN
+
+    return [name for name in BUILTIN if name.startswith(incomplete)]
+
+
 # Typer's zsh script only registers its function with compdef. Autoloaded from $fpath
 # by compinit (the file is then the body of _treecli, run on the first TAB), that
 # registers it for the next TAB and completes nothing now: the first TAB of every

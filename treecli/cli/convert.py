@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Iterator, Optional
 
 import typer
 
 from treecli.cli import _options as opt
+from treecli.cli._complete import complete_recipe
 from treecli.cli._common import about, open_input, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
 def convert(
-    source: Annotated[str, typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
-                                          metavar="SOURCE")],
-    target: Annotated[str, typer.Argument(help="Output file, directory, or s3:// or gs:// URL.", show_default=False,
-                                          metavar="TARGET")],
+    source: Annotated[Optional[str], typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
+                                                    metavar="SOURCE")] = None,
+    target: Annotated[Optional[str], typer.Argument(help="Output file, directory, or s3:// or gs:// URL.",
+                                                    show_default=False, metavar="TARGET")] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        "--recipe", help="Make the checkpoint another program's model: a built-in recipe (llama.cpp, scanned) or a "
+        "YAML file of reversible operations.", show_default=False, autocompletion=complete_recipe)] = None,
+    reverse: Annotated[bool, typer.Option("--reverse", help="Run the recipe backwards: its output back into "
+                                          "its input (a GGUF file back to an HF directory).")] = False,
+    list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
     format: opt.OutputFormatOpt = None,
     dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q5_1, q5_0, "
                             "q4_1 or q4_0 quantizes the weights (2-D leaves of whole blocks).") = None,
@@ -37,9 +46,16 @@ def convert(
     Refuses what the target cannot hold (a dtype, strings, scalars, empty
     containers) unless --drop-unsupported, which drops them with a warning.
 
+    A recipe makes it another program's model, and --reverse makes it back:
+    names, layouts and the metadata and companion files that program reads
+    (see docs/recipes.md).
+
     Examples:
 
     \b
+        treecli convert Llama-3.2-1B/ llama.gguf --recipe llama.cpp
+        treecli convert llama.gguf Llama-3.2-1B/ --recipe llama.cpp --reverse
+        treecli convert Qwen2-0.5B/ scanned_ckpt --format orbax --recipe scanned
         treecli convert orbax_ckpt model.safetensors --drop-unsupported
         treecli convert model.safetensors hf_dir --max-shard-size 5GB
         treecli convert model.safetensors ckpt_dir --format orbax
@@ -51,19 +67,58 @@ def convert(
     from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantized
 
     out = Output(quiet=quiet)
+    if list_recipes:
+        from treecli import _render, recipes
+
+        out.lines(_render.table(["recipe", "what it makes"], [list(row) for row in recipes.listed()]))
+        return
+    if source is None or target is None:
+        raise UsageError("give SOURCE and TARGET (or --list-recipes)")
+    if reverse and recipe is None:
+        raise UsageError("--reverse runs a recipe backwards: give --recipe")
     with open_input(out, source, input_format, step, like) as ckpt, about(source):
-        tree = _tree.selected(ckpt.tree, where) if where else ckpt.tree
+        conversion = _recipe_applied(ckpt, recipe, reverse) if recipe else None
+        tree = conversion.tree if conversion else ckpt.tree
+        tree = _tree.selected(tree, where) if where else tree
+        # A name without an extension is in the recipe's output format, else the input's.
+        made_as = conversion.format if conversion and conversion.format else ckpt.format
+        decided = None if is_url(target) else output_format(Path(target), format, made_as)
         report = AverageReport()  # (a cast's warnings fill in as the output is written)
         if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights
-            if is_url(target) or output_format(Path(target), format, ckpt.format)[0].name != "gguf":
+            if decided is None or decided[0].name != "gguf":
                 raise UsageError(f"{option('dtype', dtype)} quantizes into a GGUF file; name a .gguf output")
             tree = quantized(tree, dtype)
         elif dtype:
             tree = cast_floats(tree, _dtypes.parse(dtype), report)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
         verify = not no_verify and not is_url(target)
-        written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+        with _companions(conversion) as companions:
+            written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
+                                   max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+                                   metadata=conversion.metadata_of(tree) if conversion else None,
+                                   companions=companions, decided=decided)
         notes = [opt.VERIFIED] if verify else []
-        report_written(out, written, notes=notes, warnings=report.warnings(), json=written_json(
-            written, notes, report.warnings(), input=str(source), verified=verify) if json else None)
+        warnings = (conversion.warnings if conversion else []) + report.warnings()
+        report_written(out, written, notes=notes, warnings=warnings, json=written_json(
+            written, notes, warnings, input=str(source), verified=verify) if json else None)
+
+
+def _recipe_applied(ckpt, name: str, reverse: bool):
+    from treecli import recipes
+
+    return recipes.convert(ckpt, recipes.named(name), reverse=reverse)
+
+
+@contextlib.contextmanager
+def _companions(conversion) -> Iterator[list[Path] | None]:
+    """The files a recipe makes for an output directory (config.json, the tokenizer's), in a
+    temporary directory while they are copied beside the weights; None: the input's own."""
+    if conversion is None or not conversion.files:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="treecli-companions-") as directory:
+        paths = []
+        for name, data in conversion.files.items():
+            (Path(directory) / name).write_bytes(data)
+            paths.append(Path(directory) / name)
+        yield paths

@@ -72,6 +72,22 @@ def quantized(tree: Any, kind: str) -> Any:
     return _tree.map_leaves(leaf, tree)
 
 
+def gguf_value(kind: int, value: Any) -> Any:
+    """A GGUF metadata value of GGUF type ``kind`` (``gguf.GGUFValueType``; an array's
+    ``value`` is its items' type and the items), as a GGUF output writes it."""
+    from treecli.formats._gguf_layout import MetaValue
+
+    return MetaValue(kind, value)
+
+
+def stored_type(leaf: Any) -> str:
+    """What a leaf is written as: its dtype's name, or a GGUF quantization's (``Q8_0``)."""
+    from treecli import _leaf
+    from treecli.formats._gguf_layout import QuantizedLeaf, type_name
+
+    return type_name(leaf.kind) if isinstance(leaf, QuantizedLeaf) else _leaf.as_leaf(leaf).dtype_name
+
+
 def open_array(path: str | Path) -> Any:
     """The one array of a ``.npy`` file as a lazy leaf (``edit --set KEYPATH=@file.npy``)."""
     from treecli.formats import npy
@@ -188,7 +204,9 @@ def _open_url(url: str, format: str | None, step: int | None) -> Checkpoint:
 
 def _name_the_model(checkpoint: Checkpoint, fmt: Format, folder: Any) -> None:
     """An HF directory's model, from the ``config.json`` beside its weights wherever it lies,
-    read when asked (``Checkpoint.described_model``)."""
+    read when asked (``Checkpoint.described_model``); and the folder of any directory
+    checkpoint, where a recipe reads the files beside its weights."""
+    checkpoint.folder = folder
     if checkpoint.model is None and fmt.hf_directories:
         from treecli.formats import _model
 

@@ -51,6 +51,9 @@ class Checkpoint:
     #: file's metadata), or how to find it (a callable: an HF directory's ``config.json``,
     #: read only when asked); see ``described_model``.
     model: Any = None
+    #: The folder (``_folder.Folder``) of a directory checkpoint, anywhere: where a recipe
+    #: reads the files beside its weights (config.json, the tokenizer's); None for a file.
+    folder: Any = None
     #: Where its weights live on disk (None for a tree in memory).
     origin: Origin | None = None
     #: The model its leaves belong to (``--like``): a ``_pytree.Structure``, whose

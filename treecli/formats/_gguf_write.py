@@ -94,8 +94,8 @@ def _alignment(value: Any) -> int:
     return 32
 
 
-def _string(text: str) -> bytes:
-    data = str(text).encode("utf-8")
+def _string(text: str | bytes) -> bytes:
+    data = bytes(text) if isinstance(text, (bytes, bytearray)) else str(text).encode("utf-8")
     return struct.pack("<Q", len(data)) + data
 
 
