@@ -1,0 +1,60 @@
+"""llama.cpp runs what the llama.cpp recipe writes: the logits of a fixed prompt, computed by
+llama.cpp (``llama-cpp-python``, which compiles it from source: minutes) with an F32 KV
+cache, equal transformers' on the original HF model within float tolerance.
+
+llama-cpp-python lives in a Python of its own, named by ``TREECLI_LLAMA_CPP`` (its
+``python``); without it these tests are skipped::
+
+    python3 -m venv /tmp/llcpp && /tmp/llcpp/bin/pip install llama-cpp-python==0.3.36
+    TREECLI_LLAMA_CPP=/tmp/llcpp/bin/python .venv/bin/python -m pytest tests/test_llama_cpp_oracle.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from .test_model_recipes import IDS, _build, _logits
+
+PYTHON = os.environ.get("TREECLI_LLAMA_CPP")
+pytestmark = pytest.mark.skipif(not PYTHON, reason="TREECLI_LLAMA_CPP names no Python with llama-cpp-python")
+
+# Run in llama-cpp-python's own Python: the logits of every position of the prompt.
+LOGITS = """
+import json, sys, llama_cpp, llama_cpp.llama_cpp as low
+defaults = low.llama_model_default_params
+def without_extra_buffers():  # (ggml's AMX buffers: SIGILL where the kernel does not grant AMX, as in containers)
+    params = defaults()
+    params.use_extra_bufts = False
+    return params
+low.llama_model_default_params = without_extra_buffers
+model = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, logits_all=True, verbose=False,
+                        type_k=0, type_v=0, n_threads=2)  # (type 0: an F32 KV cache)
+ids = json.loads(sys.argv[2])
+model.eval(ids)
+json.dump([list(map(float, row)) for row in model.scores[: len(ids)]], sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+def test_llama_cpp_runs_the_recipe_s_gguf(cli, tmp_path, kind, dtype):
+    model = _build(tmp_path / kind, kind)
+    args = ["--dtype", dtype] if dtype != "float32" else []
+    result = cli("convert", model, tmp_path / "model.gguf", "--recipe", "llama.cpp", *args)
+    assert result.code == 0, result.stderr
+    ran = subprocess.run([PYTHON, "-c", LOGITS, str(tmp_path / "model.gguf"), json.dumps(IDS[0])],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    got = np.array(json.loads(ran.stdout))
+    expected = _logits(model)[0][0]
+    scale = np.abs(expected).max()
+    if dtype == "float32":
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    else:  # 8-bit weights: the logits move by about their rounding, the argmax stays
+        assert np.abs(got - expected).max() < 0.05 * scale
+        assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.75

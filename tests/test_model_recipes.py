@@ -1,0 +1,246 @@
+"""Issue 42, item 2: recipes make models their consumers run. transformers (with torch, the
+test extras; never imported by treecli) builds tiny random Llama, Mistral and Qwen2
+models from its own config classes and loads what treecli writes: the GGUF of the
+llama.cpp recipe (its own GGUF reader maps llama.cpp's names back), the HF directories of
+both recipes' reverse; a JAX forward pass runs the scanned layout. Logits of a fixed
+prompt equal the original model's, and every recipe round-trips bit-identical.
+llama.cpp itself is tests/test_llama_cpp_oracle.py."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from .conftest import assert_clean_error
+from .test_remote import server  # noqa: F401  (the HTTP server fixture)
+from .tiny_llama import byte_level_tokenizer, write_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # (transformers' GGUF loader needs it)
+
+IDS = [[3, 70, 101, 7, 256, 42, 99, 5]]
+KINDS = ["llama", "mistral", "qwen2"]
+
+
+def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True):
+    """A tiny random ``kind`` model as transformers writes it (save_pretrained), with a
+    byte-level BPE tokenizer."""
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+    config_class, model_class = classes[kind]
+    vocab = 263  # the tokenizer's 256 bytes, 5 merges and 2 special tokens
+    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          tie_word_embeddings=kind == "qwen2", bos_token_id=261, eos_token_id=262)
+    torch.manual_seed(0)
+    model = model_class(config).to(dtype).eval()
+    with torch.no_grad():  # (a random init leaves the norms at 1: give them values of their own)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.save_pretrained(directory)
+    if tokenizer:
+        (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer()))
+        (directory / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def _logits(directory, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+        with torch.no_grad():
+            return model(torch.tensor(IDS)).logits.numpy(), model.config
+
+
+def _same_weights(a, b):
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert sorted(left) == sorted(right)
+    for name in left:
+        assert left[name].dtype == right[name].dtype and left[name].tobytes() == right[name].tobytes(), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_recipe_writes_a_gguf_transformers_runs_and_back(cli, tmp_path, kind):
+    model = _build(tmp_path / kind, kind)
+    result = cli("convert", model, tmp_path / "model.gguf", "--recipe", "llama.cpp")
+    assert result.code == 0, result.stderr
+    expected, _ = _logits(model)
+    got, config = _logits(tmp_path, gguf_file="model.gguf")
+    assert config.num_hidden_layers == 2 and config.num_key_value_heads == 2
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+    shown = cli("show", tmp_path / "model.gguf", "--json").json
+    metadata = shown["metadata"]
+    arch = "qwen2" if kind == "qwen2" else "llama"  # (Mistral is llama in llama.cpp)
+    assert metadata["general.architecture"] == arch and metadata[f"{arch}.block_count"] == "2"
+    assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["tokenizer.ggml.bos_token_id"] == "261"
+    leaves = {leaf["keypath"]: leaf for leaf in shown["leaves"]}
+    assert ("output.weight" in leaves) == (kind != "qwen2")  # tied embeddings: no output.weight
+
+    back = tmp_path / "back"
+    result = cli("convert", tmp_path / "model.gguf", back, "--recipe", "llama.cpp", "--reverse")
+    assert result.code == 0, result.stderr
+    _same_weights(model, back)
+    again, config = _logits(back)
+    assert np.array_equal(again, expected)
+    assert config.model_type == arch and config.tie_word_embeddings == (kind == "qwen2")
+    assert (back / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(back)
+    assert tokenizer("hello world").input_ids == transformers.AutoTokenizer.from_pretrained(model)(
+        "hello world").input_ids
+    assert tokenizer.bos_token == "<s>"
+
+
+def test_a_bf16_model_keeps_its_bits_and_its_norms_go_f32_as_llama_cpp_writes_them(cli, tmp_path):
+    model = _build(tmp_path / "m", "llama", dtype=torch.bfloat16)
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    shown = cli("show", tmp_path / "m.gguf", "--json").json
+    assert shown["metadata"]["general.file_type"] == "32"  # MOSTLY_BF16
+    leaves = {leaf["keypath"]: leaf["dtype"] for leaf in shown["leaves"]}
+    assert leaves["blk.0.attn_norm.weight"] == "float32" and leaves["blk.0.attn_q.weight"] == "bfloat16"
+    expected, _ = _logits(model)
+    got, _ = _logits(tmp_path, gguf_file="m.gguf")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    assert cli("convert", tmp_path / "m.gguf", tmp_path / "back", "--recipe", "llama.cpp", "--reverse").code == 0
+    _same_weights(model, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_pytorch_bin_directory_and_a_hub_repository_convert_too(cli, tmp_path, server):  # noqa: F811
+    model = _build(tmp_path / "m", "mistral")
+    expected, _ = _logits(model)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = {k: torch.from_numpy(v) for k, v in load_file(str(model / "model.safetensors")).items()}
+    torch.save(state, bin_dir / "pytorch_model.bin")  # (transformers 5 writes safetensors only)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (bin_dir / name).write_bytes((model / name).read_bytes())
+        server.files[f"/org/tiny/resolve/main/{name}"] = (model / name).read_bytes()
+    server.files["/org/tiny/resolve/main/model.safetensors"] = (model / "model.safetensors").read_bytes()
+    for source, name in ((bin_dir, "bin.gguf"), ("hf://org/tiny", "hub.gguf")):
+        result = cli("convert", source, tmp_path / name, "--recipe", "llama.cpp")
+        assert result.code == 0, result.stderr
+        got, _ = _logits(tmp_path, gguf_file=name)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    assert (tmp_path / "bin.gguf").read_bytes() == (tmp_path / "hub.gguf").read_bytes()
+
+
+def _jax_forward(params, config, ids):
+    """A Llama forward pass over the scanned layout, the layers run by jax.lax.scan."""
+    import jax
+    import jax.numpy as jnp
+
+    eps, theta = config["rms_norm_eps"], config.get("rope_theta", 10000.0)
+    heads = config["num_attention_heads"]
+
+    def norm(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+    x = params["embedder"]["embedding"][jnp.asarray(ids)]
+    head_dim = params["layers"]["attention"]["q_proj"]["kernel"].shape[-1]
+    angles = jnp.arange(len(ids))[:, None] / theta ** (jnp.arange(0, head_dim, 2) / head_dim)[None]
+    cos, sin = jnp.cos(jnp.concatenate([angles] * 2, -1))[:, None], jnp.sin(jnp.concatenate([angles] * 2, -1))[:, None]
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+    def project(h, p):
+        out = jnp.einsum("th,hnd->tnd", h, p["kernel"])
+        return out + p["bias"] if "bias" in p else out
+
+    def layer(x, p):
+        a = p["attention"]
+        h = norm(x, p["input_norm"]["scale"])
+        q, k, v = rotate(project(h, a["q_proj"])), rotate(project(h, a["k_proj"])), project(h, a["v_proj"])
+        k, v = (jnp.repeat(t, heads // t.shape[1], axis=1) for t in (k, v))
+        scores = jnp.einsum("tnd,snd->nts", q, k) / jnp.sqrt(head_dim)
+        scores = jnp.where(jnp.tril(jnp.ones((len(ids), len(ids)), bool)), scores, -jnp.inf)
+        attended = jnp.einsum("nts,snd->tnd", jax.nn.softmax(scores, -1), v)
+        x = x + jnp.einsum("tnd,ndh->th", attended, a["o_proj"]["kernel"])
+        h = norm(x, p["post_attention_norm"]["scale"])
+        m = p["mlp"]
+        return x + (jax.nn.silu(h @ m["gate_proj"]["kernel"]) * (h @ m["up_proj"]["kernel"])) @ \
+            m["down_proj"]["kernel"], None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    x = norm(x, params["final_norm"]["scale"])
+    head = params["lm_head"]["kernel"] if "lm_head" in params else params["embedder"]["embedding"].T
+    return np.asarray(x @ head)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_scanned_recipe_runs_in_jax_and_comes_back(cli, tmp_path, kind):
+    import treecli
+
+    model = _build(tmp_path / kind, kind, layers=3)
+    scanned = tmp_path / "scanned"
+    result = cli("convert", model, scanned, "--format", "orbax", "--recipe", "scanned")
+    assert result.code == 0, result.stderr
+    import jax
+
+    with treecli.open(scanned) as ckpt:
+        params = jax.tree_util.tree_map(np.asarray, ckpt.tree)
+    assert params["layers"]["attention"]["q_proj"]["kernel"].shape == (3, 64, 4, 16)
+    assert params["layers"]["attention"]["k_proj"]["kernel"].shape == (3, 64, 2, 16)
+    assert params["layers"]["mlp"]["down_proj"]["kernel"].shape == (3, 128, 64)
+    config = json.loads((scanned / "config.json").read_text())
+    expected, _ = _logits(model)
+    got = _jax_forward(params, config, IDS[0])
+    np.testing.assert_allclose(got, expected[0], rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    back = tmp_path / "back"
+    assert cli("convert", scanned, back, "--recipe", "scanned", "--reverse").code == 0
+    _same_weights(model, back)
+    assert np.array_equal(_logits(back)[0], expected)
+
+
+def test_a_frankenmerge_loads_in_transformers_with_the_layers_it_stacked(cli, tmp_path):
+    """mergekit's passthrough slices of two 2-layer models (0-1 of one, 1 of the other): three layers."""
+    a, b = _build(tmp_path / "a", "llama"), _build(tmp_path / "b", "llama")
+    (tmp_path / "franken.yml").write_text(
+        "merge_method: passthrough\nslices:\n"
+        f"  - sources: [{{model: {a}, layer_range: [0, 2]}}]\n"
+        f"  - sources: [{{model: {b}, layer_range: [1, 2]}}]\n")
+    assert cli("merge", "--config", tmp_path / "franken.yml", "-o", tmp_path / "out").code == 0
+    _, config = _logits(tmp_path / "out")
+    assert config.num_hidden_layers == 3
+
+
+def test_what_a_recipe_cannot_make_is_one_line(cli, tmp_path):
+    llama = write_model(tmp_path / "llama", "llama")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert_clean_error(cli("convert", gpt2, tmp_path / "x.gguf", "--recipe", "llama.cpp"),
+                       "knows LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", "GPT2LMHeadModel")
+    scaled = write_model(tmp_path / "scaled", "llama")
+    config = json.loads((scaled / "config.json").read_text())
+    (scaled / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8}}))
+    assert_clean_error(cli("convert", scaled, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "'llama3' rope scaling")
+    stale = write_model(tmp_path / "stale", "llama")
+    (stale / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 40}))
+    assert_clean_error(cli("convert", stale, tmp_path / "x.gguf", "--recipe", "llama.cpp"),
+                       "config.json says 40 layers and the weights hold 2")
+    bare = write_model(tmp_path / "bare", "llama")
+    (bare / "tokenizer.json").unlink()
+    assert_clean_error(cli("convert", bare, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "needs the model's tokenizer")
+    assert_clean_error(cli("convert", llama / "model.safetensors", tmp_path / "x.gguf", "--recipe", "llama.cpp"),
+                       "config.json beside its weights, and there is none: give the model's directory")
+    assert_clean_error(cli("convert", llama, tmp_path / "x", "--recipe", "nonesuch"), "no recipe 'nonesuch'")
+    assert_clean_error(cli("convert", llama, tmp_path / "x", "--recipe", "llama.cpp", "--reverse"),
+                       "reverse reads a GGUF file")
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+def test_recipes_are_listed(cli):
+    result = cli("convert", "--list-recipes")
+    assert result.code == 0 and "llama.cpp" in result.stdout and "scanned" in result.stdout
