@@ -177,8 +177,9 @@ def _equinox_model(box: Path) -> None:
 def _outputs(args: list[str]) -> list[str]:
     """What a command line writes: -o's value, and convert's TARGET."""
     out = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-o", "--output")]
-    if args[:1] == ["convert"]:
-        out.append([a for a in args[1:] if not a.startswith("-")][1])
+    positional = [a for a in args[1:] if not a.startswith("-")]
+    if args[:1] == ["convert"] and len(positional) > 1:  # (not convert --list-recipes)
+        out.append(positional[1])
     return out
 
 

@@ -161,3 +161,80 @@ def test_sizes_name_hyper_parameters():
         with pytest.raises(UsageError) as raised:
             T.size_of(bad, params, "x")
         assert message in raised.value.message
+
+
+# --- from the shell: edit's layout options and recipe files -----------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).parent.parent
+
+
+def test_edit_stacks_and_transposes_and_undoes_it(cli, tmp_path):
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    result = cli("edit", model, "-o", tmp_path / "scanned.safetensors", "--transpose", r"model.*_proj\.weight=1,0",
+                 "--stack", r"model.layers.{i}.(.+) -> layers.\1", "--regex-rename",
+                 r"model.(embed_tokens|norm).weight -> \1")
+    assert result.code == 0, result.stderr
+    shown = {leaf["keypath"]: leaf["shape"] for leaf in cli("show", tmp_path / "scanned.safetensors",
+                                                             "--json").json["leaves"]}
+    assert shown["layers.self_attn.q_proj.weight"] == [2, 64, 64]
+    assert shown["layers.mlp.down_proj.weight"] == [2, 128, 64] and shown["embed_tokens"] == [263, 64]
+    result = cli("edit", tmp_path / "scanned.safetensors", "-o", tmp_path / "back", "--format", "safetensors",
+                 "--unstack", r"layers.(.+) -> model.layers.{i}.\1", "--transpose", r"model.*_proj\.weight=1,0",
+                 "--regex-rename", r"(embed_tokens|norm) -> model.\1.weight")
+    assert result.code == 0, result.stderr
+    assert cli("diff", model, tmp_path / "back").code == 0
+
+
+def test_a_recipe_file_runs_both_ways_and_writes_its_metadata(cli, tmp_path):
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    recipe = ROOT / "examples" / "scan_layers.yaml"
+    assert cli("convert", model, tmp_path / "s.safetensors", "--recipe", recipe).code == 0
+    shown = cli("show", tmp_path / "s.safetensors", "--json").json
+    assert shown["metadata"]["layout"] == "scanned"
+    assert {leaf["keypath"]: leaf["shape"] for leaf in shown["leaves"]}[
+        "decoder.layers.self_attn.q_proj.weight"] == [2, 64, 4, 16]
+    assert cli("convert", tmp_path / "s.safetensors", tmp_path / "back", "--recipe", recipe, "--reverse").code == 0
+    assert cli("diff", model, tmp_path / "back").code == 0
+    assert "layout" not in cli("show", tmp_path / "back", "--json").json.get("metadata", {})
+    assert cli("edit", model, "-o", tmp_path / "e.safetensors", "--recipe", recipe).code == 0
+    assert (tmp_path / "e.safetensors").read_bytes() != b""
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps: [{explode: {}}]", "no operation 'explode'"),
+    ("steps: [{rename: {from: a, to: b, axis: 1}}]", "unknown field 'axis'"),
+    ("steps: [{rename: {from: 'a.(.+)'}}]", "give to"),
+    ("steps: [{rename: {from: 'a+b', to: c}}]", "literal text"),
+    ("steps: [{stack: {from: 'l.{i}.(.+)', to: 'x', axis: one}}]", "axis is a whole number"),
+    ("steps: [{transpose: {keys: w, axes: 1}}]", "axes is a list"),
+    ("steps: [!!python/object/apply:os.system ['touch pwned']]", "no YAML"),
+    ("just text", "a YAML mapping with a list of steps"),
+    ("steps: []\nextra: 1", "unknown key 'extra'"),
+])
+def test_a_bad_recipe_file_is_one_line_and_nothing_runs(cli, tmp_path, text, message):
+    from .conftest import assert_clean_error
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    (tmp_path / "r.yaml").write_text(text)
+    assert_clean_error(cli("convert", model, tmp_path / "out.safetensors", "--recipe", tmp_path / "r.yaml"),
+                       "r.yaml", message)
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_edit_s_layout_options_say_what_they_want(cli, tmp_path):
+    from .conftest import assert_clean_error
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    assert_clean_error(cli("edit", model, "-o", tmp_path / "o", "--stack", "model.layers.{i}.(.+)"),
+                       "--stack", "PATTERN -> TEMPLATE")
+    assert_clean_error(cli("edit", model, "-o", tmp_path / "o", "--transpose", "w=a,b"), "REGEX=AXES")
+    assert_clean_error(cli("edit", model, "-o", tmp_path / "o", "--recipe", "llama.cpp"),
+                       "treecli convert --recipe")
+    assert_clean_error(cli("edit", model, "-o", tmp_path / "o", "--reverse", "--set", "x=1"), "give --recipe")
+    assert not (tmp_path / "o").exists()

@@ -32,6 +32,17 @@ _EXPORTS = {
     "diff": "treecli._api",
     "cast": "treecli._api",
     "quantize": "treecli._api",
+    "transform": "treecli._api",
+    "recipe": "treecli._api",
+    "Rename": "treecli._transforms",
+    "Stack": "treecli._transforms",
+    "Unstack": "treecli._transforms",
+    "Concat": "treecli._transforms",
+    "Split": "treecli._transforms",
+    "Transpose": "treecli._transforms",
+    "Rotary": "treecli._transforms",
+    "Unflatten": "treecli._transforms",
+    "Flatten": "treecli._transforms",
     "jax_keypath": "treecli._api",
     "format_keypath": "treecli._keypath",
     "parse_keypath": "treecli._keypath",
@@ -42,7 +53,10 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
     from treecli._api import at as at, average as average, diff as diff, edit as edit, jax_keypath as jax_keypath
     from treecli._api import load as load, merge as merge, open as open, save as save, slice_tree as slice_tree
-    from treecli._api import cast as cast, quantize as quantize
+    from treecli._api import cast as cast, quantize as quantize, recipe as recipe, transform as transform
+    from treecli._transforms import Concat as Concat, Flatten as Flatten, Rename as Rename, Rotary as Rotary
+    from treecli._transforms import Split as Split, Stack as Stack, Transpose as Transpose
+    from treecli._transforms import Unflatten as Unflatten, Unstack as Unstack
     from treecli._edit import Edits as Edits
     from treecli._errors import FormatError as FormatError, KeyPathError as KeyPathError
     from treecli._errors import StructureError as StructureError, TreecliError as TreecliError

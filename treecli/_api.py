@@ -271,6 +271,35 @@ def quantize(tree: Any, kind: str) -> Any:
     return _finish(quantized(native, kind), [native], structure)
 
 
+def transform(tree: Any, steps: Sequence[Any], params: dict[str, Any] | None = None, *,
+              reverse: bool = False) -> Any:
+    """Any pytree through reversible operations by name (``treecli.Rename``, ``Stack``,
+    ``Unstack``, ``Concat``, ``Split``, ``Transpose``, ``Rotary``, ``Unflatten``,
+    ``Flatten``), each leaf made chunk by chunk when it is read or written; ``reverse``
+    runs their inverses backwards. ``params`` are the hyper-parameters sizes may name
+    (an HF ``config.json``'s). The result is nested dicts of names split at ``.``.
+
+    Example:
+        >>> scanned = treecli.transform(tree, [treecli.Stack("model.layers.{i}.(.+)", "layers.\\1")])
+    """
+    from treecli import _transforms
+
+    native, _ = _pytree.to_native(tree)
+    steps = _transforms.inverted(steps) if reverse else list(steps)
+    return _transforms.tree_of(_transforms.applied(steps, _transforms.items_of(native), params or {}))
+
+
+def recipe(checkpoint: Checkpoint | str | PathLike, name: str, *, reverse: bool = False) -> Any:
+    """A checkpoint made by a recipe (``llama.cpp``, ``scanned``, or a YAML file's): its
+    ``tree``, the ``metadata`` to write (``metadata_of(tree)``) and the companion ``files``
+    of an output directory (name -> bytes). What ``treecli convert --recipe`` writes."""
+    from treecli import recipes
+
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = open_checkpoint(checkpoint)
+    return recipes.convert(checkpoint, recipes.named(name), reverse=reverse)
+
+
 def diff(a: Any, b: Any, **options: Any) -> _diff.DiffResult:
     """Compare two pytrees (or checkpoints' trees) leaf by leaf, by key-path text:
     ``layers.0.weight`` of a module matches ``layers.0.weight`` of a safetensors

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli._errors import UsageError
-from treecli.recipes._recipe import Conversion, Recipe
+from treecli.recipes._recipe import Conversion, Recipe, hyper_parameters
 
 # name -> the module that declares it as ``RECIPE``
 BUILTIN = {
@@ -23,7 +23,7 @@ BUILTIN = {
     "scanned": "treecli.recipes.scanned",
 }
 
-__all__ = ["BUILTIN", "Conversion", "Recipe", "listed", "named"]
+__all__ = ["BUILTIN", "Conversion", "Recipe", "hyper_parameters", "listed", "named"]
 
 
 def named(name: str) -> Recipe:

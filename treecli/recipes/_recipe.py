@@ -60,6 +60,17 @@ def hf_config(checkpoint: Any, recipe: str) -> dict[str, Any]:
     return config
 
 
+def hyper_parameters(checkpoint: Any) -> dict[str, Any]:
+    """The config.json beside a checkpoint's weights as a dict (sizes and head counts may name
+    its entries), or nothing where there is none."""
+    text = companion_text(checkpoint, "config.json")
+    try:
+        config = json.loads(text) if text is not None else {}
+    except (ValueError, RecursionError):
+        config = {}
+    return config if isinstance(config, dict) else {}
+
+
 def companion_text(checkpoint: Any, name: str) -> str | None:
     """A small file beside the weights of an HF directory (local, in a bucket, over HTTP), or None."""
     return checkpoint.folder.text(name) if checkpoint.folder is not None else None

@@ -22,7 +22,7 @@ from typing import Any
 
 from treecli import _transforms
 from treecli._errors import UsageError
-from treecli.recipes._recipe import Conversion, companion_text
+from treecli.recipes._recipe import Conversion, hyper_parameters
 
 _MAX_BYTES = 1 << 20  # a recipe is a page of YAML
 
@@ -61,12 +61,7 @@ class YamlRecipe:
 
     def _params(self, checkpoint: Any) -> dict[str, Any]:
         """The hyper-parameters sizes may name: the config.json beside the weights, under the file's ``params``."""
-        text = companion_text(checkpoint, "config.json")
-        try:
-            config = json.loads(text) if text is not None else {}
-        except (ValueError, RecursionError):
-            config = {}
-        return {**(config if isinstance(config, dict) else {}), **self.params}
+        return {**hyper_parameters(checkpoint), **self.params}
 
 
 def load(path: Path) -> YamlRecipe:

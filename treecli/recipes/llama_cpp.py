@@ -203,6 +203,10 @@ def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, r
     import gguf
 
     writer = gguf.GGUFWriter(None, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    # No general.name: transformers' GGUF reader takes a llama whose name says "mistral" for
+    # an architecture of its own, and then cannot load it.
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(layers)
     hparams = {"max_position_embeddings": writer.add_context_length, "hidden_size": writer.add_embedding_length,
                "intermediate_size": writer.add_feed_forward_length,
