@@ -244,3 +244,124 @@ def test_what_a_recipe_cannot_make_is_one_line(cli, tmp_path):
 def test_recipes_are_listed(cli):
     result = cli("convert", "--list-recipes")
     assert result.code == 0 and "llama.cpp" in result.stdout and "scanned" in result.stdout
+
+
+def _with_config(tmp_path, name, **changes):
+    model = write_model(tmp_path / name, "llama")
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return model
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_attention_heads": "4"}, "num_attention_heads"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
+    ({"max_position_embeddings": -1}, "max_position_embeddings"),
+    ({"rope_theta": [1, 2]}, "rope_theta"),
+    ({"vocab_size": 1e30}, "vocab_size"),
+])
+def test_a_hostile_config_is_one_line(cli, tmp_path, changes, message):
+    model = _with_config(tmp_path, "m", **changes)
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "config.json", message)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ({"model": {"type": "BPE", "vocab": {"a": 10 ** 12}}}, "token id"),
+    ({"model": {"type": "BPE", "vocab": {"a": "zero"}}}, "token id"),
+    ({"model": {"type": "BPE", "vocab": ["a"]}}, "byte-level BPE"),
+    ({"model": "BPE"}, "no tokenizer"),
+    ([1, 2], "no tokenizer"),
+])
+def test_a_hostile_tokenizer_json_is_one_line(cli, tmp_path, tokenizer, message):
+    model = write_model(tmp_path / "m", "llama")
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), message)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x0a\x05\x0a\x01a", "ends inside"),             # a piece longer than the file
+    (b"\x0a\x04\x0a\x01a\x15", "ends inside"),           # a score cut short
+    (b"\x10\x96\x01", "holds no pieces"),                # a number, no piece
+    (b"\x08\x96\x01", "a piece that is a number"),
+    (b"\x0a\x02\x10\x01", "no SentencePiece model"),     # a piece whose score is a number
+    (b"\x0f", "no SentencePiece model"),                 # wire type 7
+    (b"\xff" * 20, "ends inside a number"),
+])
+def test_a_hostile_tokenizer_model_is_one_line(cli, tmp_path, data, message):
+    model = write_model(tmp_path / "m", "llama")
+    (model / "tokenizer.model").write_bytes(data)
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "tokenizer.model",
+                       message)
+
+
+def _gguf_with(tmp_path, name, **metadata):
+    """The llama.cpp recipe's GGUF of a tiny Llama, its metadata changed as given (None: removed)."""
+    import gguf
+
+    model = write_model(tmp_path / f"src_{name}", "llama")
+    source = tmp_path / f"src_{name}.gguf"
+    assert run_quiet(cli_args=("convert", model, source, "--recipe", "llama.cpp", "-q")) == 0
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.name in metadata:
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, kind)
+    for key, value in metadata.items():
+        if value is not None:
+            writer.add_key_value(key, value[1], value[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / name
+
+
+def run_quiet(cli_args):
+    from .conftest import run_cli
+
+    return run_cli(*cli_args).code
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"llama.block_count": None}, "llama.block_count"),
+    ({"llama.block_count": (5, 10 ** 9)}, "llama.block_count"),  # (an int32 past the tensors' layers)
+    ({"llama.attention.head_count": (4, 0)}, "head_count"),
+    ({"llama.embedding_length": None}, "embedding_length"),
+    ({"llama.attention.head_count": (8, "four")}, "head_count"),
+])
+def test_a_hostile_gguf_is_one_line_on_the_way_back(cli, tmp_path, metadata, message):
+    import gguf
+
+    metadata = {k: (gguf.GGUFValueType(v[0]), v[1]) if v is not None else None for k, v in metadata.items()}
+    path = _gguf_with(tmp_path, "h.gguf", **metadata)
+    assert_clean_error(cli("convert", path, tmp_path / "back", "--recipe", "llama.cpp", "--reverse"), message)
+    assert not (tmp_path / "back").exists()
+
+
+def test_the_scanned_recipe_s_way_back_wants_its_layout(cli, tmp_path):
+    llama = write_model(tmp_path / "llama", "llama")
+    assert_clean_error(cli("convert", llama, tmp_path / "back", "--recipe", "scanned", "--reverse"),
+                       "not the scanned recipe's layout")
+    flat = tmp_path / "flat.safetensors"
+    assert cli("edit", llama, "-o", flat, "--stack", r"model.layers.{i}.(.+) -> layers.attention.\1").code == 0
+    assert_clean_error(cli("convert", flat, tmp_path / "back", "--recipe", "scanned", "--reverse"),
+                       "not the scanned recipe's layout")
+    model = _with_config(tmp_path, "five_heads", num_attention_heads=5)
+    assert_clean_error(cli("convert", model, tmp_path / "s", "--recipe", "scanned", "--format", "orbax"),
+                       "model.layers.0.self_attn.q_proj.weight", "64 elements do not fill shape [5, -1]")
+    assert not (tmp_path / "back").exists() and not (tmp_path / "s").exists()

@@ -23,6 +23,7 @@ from typing import Any
 from treecli._errors import UsageError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType (SentencePiece's too)
+MAX_TOKENS = 1 << 24  # the largest vocabularies have a few hundred thousand
 
 # Byte-level BPE pre-tokenizers llama.cpp knows by name (``tokenizer.ggml.pre``), by the
 # regex of their ``Split`` step. (llama.cpp's converter tells them by hashing a text the
@@ -77,7 +78,12 @@ def to_gguf(directory: Path, vocab_size: int, writer: Any) -> list[str]:
     if scores is not None:
         writer.add_token_scores(scores)
     writer.add_token_types(types)
-    SpecialVocab(directory, load_merges=merges, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    try:
+        special = SpecialVocab(directory, load_merges=merges, n_vocab=len(tokens))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:  # (the gguf package's reading)
+        raise UsageError(f"the tokenizer's special tokens cannot be read: {type(e).__name__}: {str(e)[:120]}",
+                         file=str(directory)) from None
+    special.add_to_gguf(writer, quiet=True)
     return warnings
 
 
@@ -99,8 +105,8 @@ def _byte_level_bpe(text: str) -> tuple[list[str], list[int], str | None]:
     for added in data.get("added_tokens") or []:
         if isinstance(added, dict) and isinstance(added.get("id"), int) and isinstance(added.get("content"), str):
             by_id[added["id"]] = (added["content"], CONTROL if added.get("special") else USER_DEFINED)
-    if any(type(i) is not int or i < 0 for i in by_id):
-        raise UsageError("tokenizer.json has a token whose id is no whole number")
+    if any(type(i) is not int or not 0 <= i < MAX_TOKENS for i in by_id):
+        raise UsageError(f"tokenizer.json has a token id that is no whole number below {MAX_TOKENS:,}")
     size = max(by_id) + 1 if by_id else 0
     tokens = [by_id.get(i, (f"[PAD{i}]", UNUSED))[0] for i in range(size)]
     types = [by_id.get(i, ("", UNUSED))[1] for i in range(size)]
@@ -151,7 +157,13 @@ def _sentencepiece(path: Path) -> tuple[list[str], list[float], list[int]]:
         if field != 1:
             continue
         piece, score, kind = "", 0.0, NORMAL
+        if not isinstance(value, bytes):
+            raise UsageError("tokenizer.model is no SentencePiece model (a piece that is a number)", file=str(path))
         for inner, item in _fields(value, str(path)):
+            wanted = {1: bytes, 2: bytes, 3: int}.get(inner)
+            if wanted is not None and (not isinstance(item, wanted) or (inner == 2 and len(item) != 4)):
+                raise UsageError(f"tokenizer.model is no SentencePiece model (a piece's field {inner})",
+                                 file=str(path))
             if inner == 1:
                 piece = item.decode("utf-8", errors="replace")
             elif inner == 2:

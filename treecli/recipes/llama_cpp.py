@@ -51,6 +51,7 @@ class LlamaCpp:
     def forward(self, checkpoint: Any) -> Conversion:
         config = hf_config(checkpoint, self.name)
         arch = ARCHITECTURES[architecture(config, ARCHITECTURES, self.name, checkpoint.file)]
+        _check_hyper_parameters(config, checkpoint.file)
         params = _params(config)
         _refuse_rope_scaling(config, checkpoint.file)
         items = [(name, leaf) for name, leaf in items_of(checkpoint.tree) if not _SKIPPED.fullmatch(name)]
@@ -83,8 +84,10 @@ class LlamaCpp:
                              f"general.architecture is {quote(str(arch))[:80]}", file=checkpoint.file)
         items = items_of(checkpoint.tree)
         layers = meta.get(f"{arch}.block_count")
-        if not isinstance(layers, int):
-            raise UsageError(f"no {arch}.block_count in the metadata", file=checkpoint.file)
+        found = {int(m.group(1)) for name, _ in items if (m := re.match(r"blk\.([0-9]+)\.", name))}
+        if type(layers) is not int or layers != len(found) or found != set(range(layers)):
+            raise UsageError(f"{arch}.block_count is {_shown(layers)} and the tensors' blocks are numbered "
+                             f"{_span(found)}: no model has both", file=checkpoint.file)
         hf_names = _hf_names([name for name, _ in items], arch, layers, checkpoint.file)
         config = _config(meta, arch, dict(items), checkpoint.file)
         forward = operations(hf_names, arch, layers)
@@ -152,6 +155,44 @@ def _params(config: dict[str, Any]) -> dict[str, Any]:
     params = dict(config)
     params.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     return params
+
+
+# The hyper-parameters the recipe reads: counts (positive whole numbers), and the two it
+# requires; other numbers (positive, finite).
+_COUNTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+           "vocab_size", "head_dim")
+_REQUIRED = ("hidden_size", "num_attention_heads")
+_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_hyper_parameters(config: dict[str, Any], file: str) -> None:
+    """Refuse, in one line, a config.json whose hyper-parameters no model has: a count that is
+    no positive whole number, KV heads that do not divide the heads, a norm epsilon that is
+    no number."""
+    import math
+
+    for key in _COUNTS:
+        value = config.get(key)
+        if value is None and key in _REQUIRED:
+            raise UsageError(f"config.json has no {key}", file=file)
+        if value is not None and (type(value) is not int or not 0 < value < 1 << 31):
+            raise UsageError(f"config.json's {key} is {_shown(value)}: a positive whole number is wanted", file=file)
+    kv = config.get("num_key_value_heads")
+    if kv is not None and config["num_attention_heads"] % kv:
+        raise UsageError(f"config.json's num_key_value_heads ({kv}) does not divide num_attention_heads "
+                         f"({config['num_attention_heads']})", file=file)
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    for key in _NUMBERS:
+        value = rope.get(key, config.get(key)) if key == "rope_theta" else config.get(key)
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
+            raise UsageError(f"config.json's {key} is {_shown(value)}: a positive number is wanted", file=file)
+
+
+def _shown(value: Any) -> str:
+    from treecli._escape import quote
+
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return quote(text[:40] + ("..." if len(text) > 40 else ""))
 
 
 def _refuse_rope_scaling(config: dict[str, Any], file: str) -> None:
@@ -313,10 +354,14 @@ def _config(meta: dict[str, Any], arch: str, leaves: dict[str, Any], file: str) 
     """The transformers ``config.json`` the GGUF metadata describes."""
     from gguf import LlamaFileType
 
-    def need(key: str) -> Any:
+    def need(key: str, kind: str = "count") -> Any:
         value = meta.get(f"{arch}.{key}")
         if value is None:
             raise UsageError(f"no {arch}.{key} in the metadata: the model's config.json needs it", file=file)
+        wanted = (int,) if kind == "count" else (int, float)
+        if type(value) not in wanted or not value > 0:
+            raise UsageError(f"{arch}.{key} is {_shown(value)}: a positive {'whole ' if kind == 'count' else ''}number "
+                             "is wanted", file=file)
         return _decimal(value)
 
     embeddings = leaves.get("token_embd.weight")
@@ -329,22 +374,30 @@ def _config(meta: dict[str, Any], arch: str, leaves: dict[str, Any], file: str) 
     config: dict[str, Any] = {
         "architectures": [hf_arch], "model_type": model_type, "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"), "num_hidden_layers": need("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
-        "max_position_embeddings": need("context_length"), "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": need("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in meta else heads,
+        "max_position_embeddings": need("context_length"),
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon", "number"),
         "vocab_size": _leaf.as_leaf(embeddings).shape[0], "tie_word_embeddings": "output.weight" not in leaves,
         "hidden_act": "silu", "dtype": dtype,
     }
     if meta.get(f"{arch}.rope.freq_base") is not None:
-        config["rope_theta"] = _decimal(meta[f"{arch}.rope.freq_base"])
-    key_length = meta.get(f"{arch}.attention.key_length")
-    if key_length is not None and key_length != hidden // heads:
-        config["head_dim"] = key_length
+        config["rope_theta"] = need("rope.freq_base", "number")
+    if f"{arch}.attention.key_length" in meta and need("attention.key_length") != hidden // heads:
+        config["head_dim"] = meta[f"{arch}.attention.key_length"]
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in leaves
     for kind in ("bos", "eos", "pad"):
         if isinstance(meta.get(f"tokenizer.ggml.{kind}_token_id"), int):
             config[f"{kind}_token_id"] = meta[f"tokenizer.ggml.{kind}_token_id"]
     return config
+
+
+def _span(numbers: set[int]) -> str:
+    if not numbers:
+        return "none"
+    return f"0 to {max(numbers)}" if numbers == set(range(max(numbers) + 1)) else \
+        ", ".join(map(str, sorted(numbers)[:8])) + (" ..." if len(numbers) > 8 else "")
 
 
 def _decimal(value: Any) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from treecli import _leaf
 from treecli._errors import UsageError
 from treecli._transforms import Rename, Stack, Transpose, Unflatten, applied, inverted, items_of, tree_of
 from treecli.recipes._recipe import Conversion, architecture, companion_bytes, hf_config
@@ -70,8 +71,9 @@ class Scanned:
     def reverse(self, checkpoint: Any) -> Conversion:
         items = items_of(checkpoint.tree)
         leaves = dict(items)
-        if "layers.attention.q_proj.kernel" not in leaves:
-            raise UsageError("no layers.attention.q_proj.kernel: not the scanned recipe's layout",
+        kernels = [leaves.get(f"layers.attention.{kind}_proj.kernel") for kind, _ in _HEADS]
+        if any(not _leaf.is_array(kernel) or len(kernel.shape) != 4 for kernel in kernels):
+            raise UsageError("no 4-D layers.attention.{q,k,v}_proj.kernel: not the scanned recipe's layout",
                              file=checkpoint.file)
         # The heads are read from the kernels' own axes: the way back needs no config.
         params = {name: leaves[f"layers.attention.{kind}_proj.kernel"].shape[2] for kind, name in _HEADS}
