@@ -18,7 +18,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from .test_model_recipes import IDS, _build, _logits
+from .test_model_recipes import IDS, _build, _logits, _sentencepiece_model
 
 PYTHON = os.environ.get("TREECLI_LLAMA_CPP")
 pytestmark = pytest.mark.skipif(not PYTHON, reason="TREECLI_LLAMA_CPP names no Python with llama-cpp-python")
@@ -36,7 +36,8 @@ model = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, logits_all=True, verbo
                         type_k=0, type_v=0, n_threads=2)  # (type 0: an F32 KV cache)
 ids = json.loads(sys.argv[2])
 model.eval(ids)
-json.dump([list(map(float, row)) for row in model.scores[: len(ids)]], sys.stdout)
+tokens = model.tokenize(sys.argv[3].encode(), add_bos=False) if len(sys.argv) > 3 else []
+json.dump({"logits": [list(map(float, row)) for row in model.scores[: len(ids)]], "tokens": tokens}, sys.stdout)
 """
 
 
@@ -47,10 +48,7 @@ def test_llama_cpp_runs_the_recipe_s_gguf(cli, tmp_path, kind, dtype):
     args = ["--dtype", dtype] if dtype != "float32" else []
     result = cli("convert", model, tmp_path / "model.gguf", "--recipe", "llama.cpp", *args)
     assert result.code == 0, result.stderr
-    ran = subprocess.run([PYTHON, "-c", LOGITS, str(tmp_path / "model.gguf"), json.dumps(IDS[0])],
-                         capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    got = np.array(json.loads(ran.stdout))
+    got = np.array(_run(tmp_path / "model.gguf")["logits"])
     expected = _logits(model)[0][0]
     scale = np.abs(expected).max()
     if dtype == "float32":
@@ -58,3 +56,31 @@ def test_llama_cpp_runs_the_recipe_s_gguf(cli, tmp_path, kind, dtype):
     else:  # 8-bit weights: the logits move by about their rounding, the argmax stays
         assert np.abs(got - expected).max() < 0.05 * scale
         assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.75
+
+
+def _run(path, text=None):
+    ran = subprocess.run([PYTHON, "-c", LOGITS, str(path), json.dumps(IDS[0]), *([text] if text else [])],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    return json.loads(ran.stdout)
+
+
+def test_llama_cpp_tokenizes_as_sentencepiece_does(cli, tmp_path):
+    model = _build(tmp_path / "m", "llama", tokenizer=False, vocab=320)
+    processor = _sentencepiece_model(model)
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    text = "the quick brown fox 17 jumps over the lazy dog"
+    ran = _run(tmp_path / "m.gguf", text)
+    assert ran["tokens"] == processor.encode(text)
+    expected = _logits(model)[0][0]
+    np.testing.assert_allclose(np.array(ran["logits"]), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_llama_cpp_tokenizes_a_byte_level_bpe_as_transformers_does(cli, tmp_path):
+    import transformers
+
+    model = _build(tmp_path / "m", "qwen2")
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    text = "hello world, hello  wo"
+    expected = transformers.AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False).input_ids
+    assert _run(tmp_path / "m.gguf", text)["tokens"] == expected

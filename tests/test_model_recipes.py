@@ -27,14 +27,14 @@ IDS = [[3, 70, 101, 7, 256, 42, 99, 5]]
 KINDS = ["llama", "mistral", "qwen2"]
 
 
-def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True):
+def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vocab=263):
     """A tiny random ``kind`` model as transformers writes it (save_pretrained), with a
     byte-level BPE tokenizer."""
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
     config_class, model_class = classes[kind]
-    vocab = 263  # the tokenizer's 256 bytes, 5 merges and 2 special tokens
+    # (263: the byte-level tokenizer's 256 bytes, 5 merges and 2 special tokens)
     config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           tie_word_embeddings=kind == "qwen2", bos_token_id=261, eos_token_id=262)
@@ -365,3 +365,44 @@ def test_the_scanned_recipe_s_way_back_wants_its_layout(cli, tmp_path):
     assert_clean_error(cli("convert", model, tmp_path / "s", "--recipe", "scanned", "--format", "orbax"),
                        "model.layers.0.self_attn.q_proj.weight", "64 elements do not fill shape [5, -1]")
     assert not (tmp_path / "back").exists() and not (tmp_path / "s").exists()
+
+
+def _sentencepiece_model(directory):
+    """A SentencePiece BPE tokenizer.model with byte fallback, as Llama 2's, trained here."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    text = directory / "corpus.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(directory / "tokenizer"),
+                                             vocab_size=300, model_type="bpe", byte_fallback=True,
+                                             remove_extra_whitespaces=False, minloglevel=2)
+    text.unlink()
+    (directory / "tokenizer.vocab").unlink()
+    return sentencepiece.SentencePieceProcessor(model_file=str(directory / "tokenizer.model"))
+
+
+def test_a_sentencepiece_tokenizer_goes_into_gguf_as_sentencepiece_reads_it_and_back(cli, tmp_path):
+    model = _build(tmp_path / "m", "llama", tokenizer=False, vocab=320)
+    processor = _sentencepiece_model(model)
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    import gguf
+
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    scores, types = fields["tokenizer.ggml.scores"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    n = processor.get_piece_size()
+    assert tokens[:n] == [processor.id_to_piece(i) for i in range(n)]
+    assert scores[:n] == pytest.approx([processor.get_score(i) for i in range(n)])
+    assert types[:n] == [6 if processor.is_byte(i) else 2 if processor.is_unknown(i) else 3 if processor.is_control(i)
+                         else 1 for i in range(n)]
+    assert len(tokens) == 320 and tokens[-1] == "[PAD319]"  # padded to the embeddings' rows, as llama.cpp's converter
+    assert cli("convert", tmp_path / "m.gguf", tmp_path / "back", "--recipe", "llama.cpp", "--reverse").code == 0
+    _same_weights(model, tmp_path / "back")
+    import sentencepiece
+
+    rebuilt = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "back" / "tokenizer.model"))
+    for text in ("the quick brown fox 17 jumps", "über naïve 🦊", "a  b"):
+        assert rebuilt.encode(text) == processor.encode(text), text
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert tokenizer("the quick brown fox", add_special_tokens=False).input_ids == processor.encode(
+        "the quick brown fox")

@@ -213,6 +213,42 @@ def _varint(data: bytes, at: int, file: str) -> tuple[int, int]:
             return value, at
 
 
+def _sentencepiece_model(tokens: list[str], scores: list[float], types: list[int], special: dict[str, Any],
+                         space_prefix: bool) -> bytes:
+    """A SentencePiece model file (``ModelProto``) of llama.cpp's ``llama`` tokens: the
+    pieces with their scores and types, a BPE trainer spec (byte fallback where there
+    are byte pieces; the special tokens' ids), and the normalizer llama.cpp tokenizes
+    with: none, a space before the text (unless the GGUF says not), runs of spaces kept."""
+    def ids(kind: str, field: int) -> bytes:
+        index = special.get(kind)
+        return _varint_field(field, index & 0xFFFFFFFFFFFFFFFF) if type(index) is int else b""
+
+    pieces = b"".join(_bytes_field(1, _bytes_field(1, str(token).encode("utf-8")) + struct.pack("<Bf", 0x15, score)
+                                   + _varint_field(3, kind)) for token, score, kind in zip(tokens, scores, types))
+    trainer = _varint_field(3, 2) + _varint_field(4, len(tokens)) + _varint_field(35, int(BYTE in types)) + \
+        ids("unk", 40) + ids("bos", 41) + ids("eos", 42) + ids("pad", 43)
+    normalizer = _bytes_field(1, b"identity") + _varint_field(3, int(space_prefix)) + _varint_field(4, 0) + \
+        _varint_field(5, 1)
+    return pieces + _bytes_field(2, trainer) + _bytes_field(3, normalizer)
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _varint_field(field: int, value: int) -> bytes:
+    return _varint_bytes(field << 3) + _varint_bytes(value)
+
+
+def _bytes_field(field: int, data: bytes) -> bytes:
+    return _varint_bytes(field << 3 | 2) + _varint_bytes(len(data)) + data
+
+
 # --- back to Hugging Face ---------------------------------------------------------------------
 
 
@@ -222,24 +258,35 @@ def to_hf(metadata: dict[str, Any]) -> tuple[dict[str, bytes], list[str]]:
         found = metadata.get(key)
         return getattr(found, "value", None)
 
+    def array(key: str) -> list:
+        found = value(key)
+        return list(found[1]) if isinstance(found, tuple) else []
+
     model = value("tokenizer.ggml.model")
-    tokens = value("tokenizer.ggml.tokens")
-    tokens = tokens[1] if isinstance(tokens, tuple) else None
+    tokens = array("tokenizer.ggml.tokens")
+    types = array("tokenizer.ggml.token_type")
+    types = [t if type(t) is int else NORMAL for t in types[: len(tokens)]] + [NORMAL] * (len(tokens) - len(types))
     files, warnings = {}, []
     original = value("tokenizer.huggingface.json")
     if isinstance(original, str):
         files["tokenizer.json"] = original.encode("utf-8")
+        tokenizer_class = "PreTrainedTokenizerFast"
     elif model == "gpt2" and tokens:
-        types = value("tokenizer.ggml.token_type")
-        merges = value("tokenizer.ggml.merges")
-        files["tokenizer.json"] = _bpe_json(tokens, types[1] if isinstance(types, tuple) else [],
-                                            merges[1] if isinstance(merges, tuple) else [],
-                                            value("tokenizer.ggml.pre"))
+        files["tokenizer.json"] = _bpe_json(tokens, types, array("tokenizer.ggml.merges"), value("tokenizer.ggml.pre"))
+        tokenizer_class = "PreTrainedTokenizerFast"
+    elif model == "llama" and tokens:
+        scores = array("tokenizer.ggml.scores")
+        scores = [float(s) if type(s) in (int, float) else 0.0 for s in scores[: len(tokens)]] + \
+            [0.0] * (len(tokens) - len(scores))
+        special = {kind: value(f"tokenizer.ggml.{kind}_token_id") for kind in ("unk", "bos", "eos", "pad")}
+        files["tokenizer.model"] = _sentencepiece_model(tokens, scores, types, special,
+                                                        value("tokenizer.ggml.add_space_prefix") is not False)
+        tokenizer_class = "LlamaTokenizer"
     else:
         warnings.append(f"no tokenizer written: a {model or 'missing'} tokenizer.ggml.model is rebuilt only as "
-                        "gpt2 (byte-level BPE)")
+                        "gpt2 (byte-level BPE) or llama (SentencePiece)")
         return files, warnings
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    config: dict[str, Any] = {"tokenizer_class": tokenizer_class}
     for kind in ("bos", "eos", "unk", "pad"):
         index = value(f"tokenizer.ggml.{kind}_token_id")
         if isinstance(index, int) and tokens and 0 <= index < len(tokens):
@@ -256,7 +303,6 @@ def to_hf(metadata: dict[str, Any]) -> tuple[dict[str, bytes], list[str]]:
 
 def _bpe_json(tokens: list[str], types: list[int], merges: list[str], pre: Any) -> bytes:
     """A byte-level BPE ``tokenizer.json`` of llama.cpp's tokens and merges."""
-    types = list(types)[: len(tokens)] + [NORMAL] * (len(tokens) - len(types))
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": kind == CONTROL} for i, (t, kind) in enumerate(zip(tokens, types))
              if kind in (CONTROL, USER_DEFINED)]
