@@ -177,7 +177,7 @@ def _jax_forward(params, config, ids):
     return np.asarray(x @ head)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_scanned_recipe_runs_in_jax_and_comes_back(cli, tmp_path, kind):
     import treecli
 
