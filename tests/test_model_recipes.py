@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # (transformers' GGUF loader needs it)
 
 IDS = [[3, 70, 101, 7, 256, 42, 99, 5]]
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 KINDS = ["llama", "mistral", "qwen2"]
 
 
@@ -48,7 +49,8 @@ def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vo
     if tokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer()))
         (directory / "tokenizer_config.json").write_text(json.dumps(
-            {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+            {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast",
+             "chat_template": TEMPLATE}))
     return directory
 
 
@@ -82,6 +84,7 @@ def test_llama_cpp_recipe_writes_a_gguf_transformers_runs_and_back(cli, tmp_path
     arch = "qwen2" if kind == "qwen2" else "llama"  # (Mistral is llama in llama.cpp)
     assert metadata["general.architecture"] == arch and metadata[f"{arch}.block_count"] == "2"
     assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["tokenizer.ggml.bos_token_id"] == "261"
+    assert metadata["tokenizer.chat_template"] == TEMPLATE
     leaves = {leaf["keypath"]: leaf for leaf in shown["leaves"]}
     assert ("output.weight" in leaves) == (kind != "qwen2")  # tied embeddings: no output.weight
 
@@ -96,7 +99,7 @@ def test_llama_cpp_recipe_writes_a_gguf_transformers_runs_and_back(cli, tmp_path
     tokenizer = transformers.AutoTokenizer.from_pretrained(back)
     assert tokenizer("hello world").input_ids == transformers.AutoTokenizer.from_pretrained(model)(
         "hello world").input_ids
-    assert tokenizer.bos_token == "<s>"
+    assert tokenizer.bos_token == "<s>" and tokenizer.chat_template == TEMPLATE
 
 
 def test_a_bf16_model_keeps_its_bits_and_its_norms_go_f32_as_llama_cpp_writes_them(cli, tmp_path):
