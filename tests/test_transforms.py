@@ -238,3 +238,12 @@ def test_edit_s_layout_options_say_what_they_want(cli, tmp_path):
                        "treecli convert --recipe")
     assert_clean_error(cli("edit", model, "-o", tmp_path / "o", "--reverse", "--set", "x=1"), "give --recipe")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_transpose_that_cannot_fit_in_memory_is_refused_before_it_starts(monkeypatch):
+    from treecli import _memory
+
+    monkeypatch.setattr(_memory, "available", lambda: 1000)
+    with pytest.raises(UsageError) as raised:
+        T.Transpose("w", (1, 0)).apply([("w", InMemoryLeaf(np.zeros((20, 20), np.float32)))], {})
+    assert "holds the leaf twice in memory" in raised.value.message and "w" in raised.value.message

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from treecli import _index
+from treecli import _index, _memory
 from treecli._errors import UsageError
 from treecli._leaf import CHUNK_BYTES, ArrayLeaf, ComputedLeaf
 
@@ -153,6 +153,10 @@ def transposed(leaf: ArrayLeaf, axes: Sequence[int]) -> ComputedLeaf:
         raise UsageError(f"transpose: {list(axes)} is no order of the {leaf.ndim} axes of {list(leaf.shape)}")
     axes = tuple(a % leaf.ndim for a in axes)
     shape = tuple(leaf.shape[a] for a in axes)
+    available = _memory.available()
+    if available is not None and 2 * leaf.nbytes > available:  # (refused now: before anything is written)
+        raise UsageError(f"a transpose holds the leaf twice in memory ({2 * leaf.nbytes / 2**30:.1f} GiB), and "
+                         f"{available / 2**30:.1f} GiB is available")
     held: dict[str, Any] = {}
 
     def compute(start: int, stop: int):
