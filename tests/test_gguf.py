@@ -88,8 +88,31 @@ def test_show_prints_the_metadata_and_the_quantized_types(cli, model):
     assert "quantized: 1 Q4_0, 1 Q4_K, 1 Q5_1, 1 Q6_K, 1 Q8_0" in shown.stdout
     document = cli("show", model, "--json").json
     assert document["metadata"]["general.name"] == "tiny"
-    assert document["metadata"]["tokenizer.ggml.tokens"] == "[1000 strings]"
-    assert document["metadata"]["llama.rope.freqs"] == "[0.5, 1.5]"
+    # (issue 43) metadata keeps its types: numbers as numbers, arrays as arrays, bounded
+    assert document["metadata"]["llama.block_count"] == 2
+    assert document["metadata"]["llama.rope.freqs"] == [0.5, 1.5]
+    assert document["metadata"]["tokenizer.ggml.tokens"] == {"length": 1000,
+                                                             "first": [f"tok{i}" for i in range(256)]}
+
+
+def test_show_tells_each_tensor_s_stored_type_and_size(cli, model):
+    """Issue 43, item 1: a Q4_0 tensor is float32 [4, 64] to read, 8 blocks of 18 bytes on disk."""
+    document = cli("show", model, "--json").json
+    leaves = {leaf["keypath"]: leaf for leaf in document["leaves"]}
+    q4 = leaves["blk.1.q4_0.weight"]
+    assert (q4["dtype"], q4["nbytes"], q4["stored_dtype"], q4["stored_nbytes"]) == ("float32", 1024, "Q4_0", 144)
+    q6 = leaves["blk.1.q6_k.weight"]
+    assert (q6["shape"], q6["stored_dtype"], q6["stored_nbytes"]) == ([3, 512], "Q6_K", 3 * 2 * 210)
+    plain = leaves["blk.0.attn_k.weight"]
+    assert (plain["stored_dtype"], plain["stored_nbytes"]) == ("bfloat16", plain["nbytes"])
+    assert document["stored_bytes"] == sum(leaf["stored_nbytes"] for leaf in leaves.values())
+    lines = cli("show", model, "--flat").stdout.splitlines()
+    assert lines[0].endswith(f"{document['stored_bytes'] * 8 / document['total_params']:.2f} bits per weight")
+    row = next(line.split() for line in lines if line.startswith("blk.1.q4_0.weight"))
+    assert row[1:] == ["[4,", "64]", "float32", "256", "1.0", "KiB", "Q4_0", "144", "B"]
+    assert any(line.split()[:2] == ["stored", "arrays"] for line in lines)  # (the totals' header)
+    totals = {line.split()[0]: line.split()[1:3] for line in lines if line.startswith(("Q4_0 ", "Q6_K "))}
+    assert totals == {"Q4_0": ["1", "256"], "Q6_K": ["1", "1.5"]}
 
 
 def test_convert_to_safetensors_dequantizes_and_keeps_floats_bit_exact(cli, model, tmp_path):
@@ -226,7 +249,7 @@ def test_metadata_arrays_nested_five_deep_read_as_gguf_py_reads_them(cli, tmp_pa
     assert gguf.GGUFReader(str(path)).fields["k"] is not None  # the reference reads it
     shown = cli("show", path, "--json")
     assert shown.code == 0, shown.stderr
-    assert shown.json["metadata"]["k"] == "[[[[[7, 8]]]]]"
+    assert shown.json["metadata"]["k"] == [[[[[7, 8]]]]]
 
 
 def test_a_big_endian_gguf_reads_as_gguf_py_reads_it(cli, tmp_path):
@@ -245,8 +268,8 @@ def test_a_big_endian_gguf_reads_as_gguf_py_reads_it(cli, tmp_path):
     writer.close()
     shown = cli("show", path, "--json")
     assert shown.code == 0, shown.stderr
-    assert shown.json["metadata"]["llama.block_count"] == "2" and shown.json["metadata"]["llama.rope.freqs"] == \
-        "[0.5, 1.5]"
+    assert shown.json["metadata"]["llama.block_count"] == 2 and shown.json["metadata"]["llama.rope.freqs"] == \
+        [0.5, 1.5]
     got = treecli.load(path)
     assert np.asarray(got["w"]).tolist() == w.tolist() and np.asarray(got["ids"]).tolist() == [0, 1, 2, 3, 4]
     assert np.asarray(got["w"][1:]).tolist() == w[1:].tolist()

@@ -82,8 +82,8 @@ def test_llama_cpp_recipe_writes_a_gguf_transformers_runs_and_back(cli, tmp_path
     shown = cli("show", tmp_path / "model.gguf", "--json").json
     metadata = shown["metadata"]
     arch = "qwen2" if kind == "qwen2" else "llama"  # (Mistral is llama in llama.cpp)
-    assert metadata["general.architecture"] == arch and metadata[f"{arch}.block_count"] == "2"
-    assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["tokenizer.ggml.bos_token_id"] == "261"
+    assert metadata["general.architecture"] == arch and metadata[f"{arch}.block_count"] == 2
+    assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["tokenizer.ggml.bos_token_id"] == 261
     assert metadata["tokenizer.chat_template"] == TEMPLATE
     leaves = {leaf["keypath"]: leaf for leaf in shown["leaves"]}
     assert ("output.weight" in leaves) == (kind != "qwen2")  # tied embeddings: no output.weight
@@ -106,7 +106,7 @@ def test_a_bf16_model_keeps_its_bits_and_its_norms_go_f32_as_llama_cpp_writes_th
     model = _build(tmp_path / "m", "llama", dtype=torch.bfloat16)
     assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
     shown = cli("show", tmp_path / "m.gguf", "--json").json
-    assert shown["metadata"]["general.file_type"] == "32"  # MOSTLY_BF16
+    assert shown["metadata"]["general.file_type"] == 32  # MOSTLY_BF16
     leaves = {leaf["keypath"]: leaf["dtype"] for leaf in shown["leaves"]}
     assert leaves["blk.0.attn_norm.weight"] == "float32" and leaves["blk.0.attn_q.weight"] == "bfloat16"
     expected, _ = _logits(model)

@@ -62,7 +62,8 @@ def test_standard_checkpoint_shows_shapes_dtypes_and_values(cli, standard):
     document = cli("show", standard, "--json").json
     assert document["format"] == "orbax"
     by_path = {leaf["keypath"]: leaf for leaf in document["leaves"]}
-    assert by_path["params.embed"] == {"keypath": "params.embed", "shape": [5, 4], "dtype": "bfloat16", "nbytes": 40}
+    assert by_path["params.embed"] == {"keypath": "params.embed", "shape": [5, 4], "dtype": "bfloat16", "nbytes": 40,
+                                       "stored_dtype": "bfloat16", "stored_nbytes": 40}
     assert by_path["step"]["dtype"] == "int32" and by_path["step"]["shape"] == []
     assert by_path["opt_state.0.count"]["dtype"] == "int32"
     assert "opt_state.1" not in by_path  # None: an empty subtree, as in jax.tree_util

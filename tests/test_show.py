@@ -39,7 +39,9 @@ def test_show_json_follows_the_documented_schema(cli, mixed_file):
     assert document["total_bytes"] == sum(a.nbytes for a in tensors.values())
     by_path = {leaf["keypath"]: leaf for leaf in document["leaves"]}
     assert by_path["model.embed.weight"] == {"keypath": "model.embed.weight", "shape": [10, 4],
-                                             "dtype": "bfloat16", "nbytes": 80}
+                                             "dtype": "bfloat16", "nbytes": 80, "stored_dtype": "bfloat16",
+                                             "stored_nbytes": 80}
+    assert document["stored_bytes"] == document["total_bytes"]
     assert by_path["model.fp8"]["dtype"] == "float8_e4m3fn"
     assert by_path["step"]["shape"] == []
     keypaths = [leaf["keypath"] for leaf in document["leaves"]]

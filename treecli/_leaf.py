@@ -64,6 +64,20 @@ class ArrayLeaf:
     def nbytes(self) -> int:
         return self.size * self.itemsize
 
+    # Whether it is stored otherwise than it reads (GGUF's quantized blocks, read as
+    # float32): ``stored_dtype`` and ``stored_nbytes`` say how.
+    stored_otherwise = False
+
+    @property
+    def stored_dtype(self) -> str:
+        """The type its bytes are stored in: its dtype's name, or a quantization's (``Q4_0``)."""
+        return self.dtype_name
+
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes it takes where it is stored."""
+        return self.nbytes
+
     @property
     def sources(self) -> tuple[str, ...]:
         """The files (or checkpoint directories, or URLs) this leaf's bytes are read from when

@@ -126,36 +126,48 @@ _COLUMNS = ["shape", "dtype", "params", "size"]
 _STAT_COLUMNS = ["min", "max", "mean", "std", "nan", "inf", "zeros"]
 
 
-def _cells(node: Node, stats: bool) -> list[str]:
+def _cells(node: Node, stats: bool, stored: bool = False) -> list[str]:
+    """A row's cells; ``stored``: with the column of how it is stored (a quantized array's
+    type and bytes on disk, an inner node's bytes on disk)."""
     if node.kind == "node":
         noun = "leaf" if node.num_leaves == 1 else "leaves"
         cells = [f"{node.num_leaves} {noun}", "", human_count(node.params), human_bytes(node.nbytes)]
+        cells += [human_bytes(node.stored_nbytes)] if stored else []
     elif node.kind == "array":
         cells = [format_shape(node.shape), node.dtype, human_count(node.params), human_bytes(node.nbytes)]
+        cells += [f"{node.stored} {human_bytes(node.stored_nbytes)}" if node.stored else
+                  human_bytes(node.stored_nbytes)] if stored else []
     else:
-        cells = ["= " + _value(node.value), _summary.value_type(node.value), "", ""]
+        cells = ["= " + _value(node.value), _summary.value_type(node.value), "", ""] + ([""] if stored else [])
     if stats:
         s = node.stats or {}
         cells += [_stat(s.get(name)) if node.kind == "array" else "" for name in _STAT_COLUMNS]
     return cells
 
 
-def _right(stats: bool) -> set[int]:
-    return {3, 4} | ({5, 6, 7, 8, 9, 10, 11} if stats else set())
+# Right-aligned: the numbers.
+_RIGHT = {"params", "size", "stored", *_STAT_COLUMNS}
 
 
-def _cells_memo(stats: bool) -> Callable[[Node], list[str]]:
+def _columns(root: Node, stats: bool) -> list[str]:
+    """The columns after the key: ``stored`` where some array is stored otherwise than it
+    reads (GGUF's quantized tensors), the statistics with ``stats``."""
+    return [*_COLUMNS, *(["stored"] if root.any_stored_otherwise else []), *(_STAT_COLUMNS if stats else [])]
+
+
+def _cells_memo(stats: bool, stored: bool) -> Callable[[Node], list[str]]:
     """``_cells`` for one table: without stats, rows that show the same share one list
     (most rows of a big tree repeat another's shape, dtype and sizes)."""
     shared: dict[tuple, list[str]] = {}
 
     def cells(node: Node) -> list[str]:
         if stats or node.kind == "value":
-            return _cells(node, stats)
-        key = (node.shape, node.dtype) if node.kind == "array" else (node.num_leaves, node.params, node.nbytes)
+            return _cells(node, stats, stored)
+        key = (node.shape, node.dtype, node.stored) if node.kind == "array" else (
+            node.num_leaves, node.params, node.nbytes, node.stored_nbytes)
         found = shared.get(key)
         if found is None:
-            found = shared[key] = _cells(node, False)
+            found = shared[key] = _cells(node, False, stored)
         return found
 
     return cells
@@ -173,7 +185,7 @@ def _shapes(root: Node) -> dict[int, int]:
         found = shape_of.get(node.layout)
         if found is None:
             signature = tuple((c.key, shape(c)) if c.kind == "node"
-                              else (c.key, "array", c.shape, c.dtype) if c.kind == "array"
+                              else (c.key, "array", c.shape, c.dtype, c.stored) if c.kind == "array"
                               else (c.key, "value", _summary.value_type(c.value)) for c in node.children)
             found = shape_of[node.layout] = ids.setdefault(signature, len(ids))
         return found
@@ -202,7 +214,7 @@ def _folded(run: list[Node]) -> Node:
     """One row for a run of identical siblings: their totals summed."""
     return Node(key=run[0].key, kind="node", children=run[0].children,
                 nbytes=sum(n.nbytes for n in run), params=sum(n.params for n in run),
-                num_leaves=sum(n.num_leaves for n in run))
+                num_leaves=sum(n.num_leaves for n in run), stored_nbytes=sum(n.stored_nbytes for n in run))
 
 
 def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, plain: bool = False,
@@ -215,7 +227,7 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
     """
     firsts: list[str | list[Segment]] = []  # the key column, and beside it the other cells
     other_cells: list[list[str]] = []
-    cells = _cells_memo(stats)
+    cells = _cells_memo(stats, root.any_stored_otherwise)
     shape_of = _shapes(root) if fold else {}
 
     key_texts: dict[tuple[type, Any], str] = {}  # most keys repeat (weight, bias, 0 ... 255)
@@ -273,18 +285,17 @@ def tree_lines(root: Node, *, depth: int | None = None, stats: bool = False, pla
 
     if root.kind != "node":
         firsts.append("<root>")
-        other_cells.append(_cells(root, stats))
+        other_cells.append(_cells(root, stats, root.any_stored_otherwise))
     add_children(root, "", 1)
-    return _stats_table(["key", *_COLUMNS, *(_STAT_COLUMNS if stats else [])], firsts, other_cells, stats, width)
+    return _stats_table(["key", *_columns(root, stats)], firsts, other_cells, width)
 
 
 def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> Iterable[Line]:
     """``show --flat``: one row per leaf with its full key path."""
-    cells = _cells_memo(stats)
+    cells = _cells_memo(stats, root.any_stored_otherwise)
     leaves = _summary.leaves_by_keypath(root)
-    return _stats_table(["key path", *_COLUMNS, *(_STAT_COLUMNS if stats else [])],
-                        [keypath or "<root>" for keypath, _ in leaves], [cells(node) for _, node in leaves],
-                        stats, width)
+    return _stats_table(["key path", *_columns(root, stats)],
+                        [keypath or "<root>" for keypath, _ in leaves], [cells(node) for _, node in leaves], width)
 
 
 # On a narrow terminal these go first (in this order), and a line says which, so that
@@ -292,11 +303,11 @@ def flat_lines(root: Node, *, stats: bool = False, width: int | None = None) -> 
 _LEAST_USEFUL = ["zeros", "params", "std", "size", "dtype", "shape"]
 
 
-def _stats_table(header: list[str], firsts: list[Any], other_cells: list[list[str]], stats: bool,
+def _stats_table(header: list[str], firsts: list[Any], other_cells: list[list[str]],
                  width: int | None) -> Iterable[Line]:
     """The table of ``show``'s rows (``keyed_table``'s two columns); on a terminal (``width``),
     fitted to its width, saying what was left out."""
-    right_aligned = {header[i] for i in _right(stats)}
+    right_aligned = _RIGHT
     dropped: list[str] = []
     if width:
         header, whole, dropped = fit_columns(header, [(first, *cells) for first, cells in zip(firsts, other_cells)],
@@ -315,17 +326,19 @@ def _left_out(dropped: list[str], width: int | None) -> list[str]:
 
 
 def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]], width: int | None = None) -> Iterable[Line]:
-    """Totals by dtype (``_summary.dtype_totals``), for the bottom of ``show``; on a terminal
+    """Totals by dtype, or by stored type where some arrays are quantized
+    (``_summary.dtype_totals``), for the bottom of ``show``; on a terminal
     (``width``), columns left out to fit it, as in the tree above."""
     rows = [[dtype, str(count), human_count(params), human_bytes(nbytes)] for dtype, count, params, nbytes in totals]
     if len(totals) > 1:
         rows.append([[("total", "bold")], str(sum(r[1] for r in totals)), human_count(root.params),
                      human_bytes(root.nbytes)])
-    header = ["dtype", "arrays", "params", "size"]
+    first = "stored" if root.any_stored_otherwise else "dtype"  # (a quantization is no dtype)
+    header = [first, "arrays", "params", "size"]
     dropped: list[str] = []
     if width:
         header, rows, dropped = fit_columns(header, rows, width, ["params", "size", "arrays"])
-    lines = table(header, rows, {i for i, name in enumerate(header) if name != "dtype"})
+    lines = table(header, rows, {i for i, name in enumerate(header) if name != first})
     return itertools.chain(lines, _left_out(dropped, width))
 
 
@@ -347,6 +360,9 @@ def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, 
     arrays = sum(count for _, count, _, _ in totals)
     facts = [fmt, *(quote(fact) for fact in (model.facts() if model is not None else [])),
              counted(arrays, "array"), f"{human_count(root.params)} params", human_bytes(root.nbytes)]
+    if root.any_stored_otherwise and root.params:  # (quantized: what it takes on disk, per weight)
+        facts.append(f"{human_bytes(root.stored_nbytes)} stored, {8 * root.stored_nbytes / root.params:.2f} bits "
+                     "per weight")
     return [(quote(file), "bold"), ("  " + separator.join(facts), "")]
 
 
@@ -394,6 +410,36 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
     return itertools.chain.from_iterable(parts)
 
 
+# A metadata array or text longer than this shows its start and its length in --json.
+_JSON_ITEMS, _JSON_CHARS = 256, 1 << 16
+
+
+def _metadata_json(value: Any) -> Any:
+    """A metadata value in ``--json``: a GGUF value as its type is (numbers as numbers, arrays
+    as arrays), bounded: a longer array or text as ``{"length": n, "first": its start}``;
+    any other as before."""
+    if isinstance(value, (dict, list)):
+        return value
+    typed = getattr(value, "value", None)
+    if typed is None or not hasattr(value, "kind"):
+        return _summary.json_value(value)
+    return _bounded(typed, value.kind)
+
+
+def _bounded(value: Any, kind: int) -> Any:
+    from treecli.formats import GGUF_ARRAY
+
+    if kind == GGUF_ARRAY:
+        item, items = value
+        shown = [_bounded(v, item) for v in items[:_JSON_ITEMS]]
+        return shown if len(items) <= _JSON_ITEMS else {"length": len(items), "first": shown}
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, str) and len(value) > _JSON_CHARS:
+        return {"length": len(value), "first": value[:_JSON_CHARS]}
+    return _summary.json_value(value)
+
+
 def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any], model: Any = None) -> dict[str, Any]:
     """The ``show --json`` document (DESIGN.md "Output conventions"); ``model`` where the
     checkpoint names one."""
@@ -401,7 +447,8 @@ def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any], model: 
     for keypath, node in _summary.leaves_by_keypath(root):
         if node.kind == "array":
             entry: dict[str, Any] = {"keypath": keypath, "shape": list(node.shape), "dtype": node.dtype,
-                                     "nbytes": node.nbytes}
+                                     "nbytes": node.nbytes, "stored_dtype": node.stored or node.dtype,
+                                     "stored_nbytes": node.stored_nbytes}
             if node.stats is not None:
                 entry["stats"] = {k: _summary.json_value(v) for k, v in node.stats.items()}
         elif node.kind == "value":
@@ -414,9 +461,10 @@ def show_json(file: str, fmt: str, root: Node, metadata: dict[str, Any], model: 
         "format": fmt,
         "file": file,
         **({"model": model.as_json()} if model is not None else {}),
-        "metadata": {k: v if isinstance(v, (dict, list)) else _summary.json_value(v) for k, v in metadata.items()},
+        "metadata": {k: _metadata_json(v) for k, v in metadata.items()},
         "num_leaves": root.num_leaves,
         "total_params": root.params,
         "total_bytes": root.nbytes,
+        "stored_bytes": root.stored_nbytes,
         "leaves": out_leaves,
     }

@@ -31,8 +31,14 @@ class Node:
     # An inner node's layout: equal for subtrees that show the same rows (the same keys,
     # shapes and dtypes all the way down, and no value leaf), as the layers of a model do.
     layout: int = -1
-    # The root's ``(arrays, params, bytes)`` per dtype, counted as ``summarize`` builds it.
+    # The root's ``(arrays, params, bytes)`` per stored type, counted as ``summarize`` builds it.
     by_dtype: dict[str, list[int]] | None = None
+    # How an array is stored where that is not its dtype (``Q4_0``: GGUF's quantized blocks);
+    # the bytes stored, summed up the tree (a dtype's own where stored as it reads).
+    stored: str | None = None
+    stored_nbytes: int = 0
+    # The root's: whether any array under it is stored otherwise than it reads.
+    any_stored_otherwise: bool = False
 
 
 def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
@@ -56,11 +62,22 @@ def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
         if patterns and not any(_keypath.covers(p, keypath) for _, p in patterns):
             return None
         if _leaf.is_array(leaf):
+            if isinstance(leaf, _leaf.ArrayLeaf):
+                return array_row(key, leaf)
             shape = tuple(int(d) for d in leaf.shape)
-            dtype = leaf.dtype_name if isinstance(leaf, _leaf.ArrayLeaf) else _dtypes.name(leaf.dtype)
+            dtype = _dtypes.name(leaf.dtype)
             size = math.prod(shape)
-            return Node(key, "array", (), shape, dtype, size * _dtypes.itemsize(dtype), size, 1, leaf)
+            nbytes = size * _dtypes.itemsize(dtype)
+            return Node(key, "array", (), shape, dtype, nbytes, size, 1, leaf, stored_nbytes=nbytes)
         return Node(key, "value", value=leaf, num_leaves=1)
+
+    def array_row(key: Any, leaf: _leaf.ArrayLeaf) -> Node:
+        size = prod(leaf.shape)
+        nbytes = size * itemsize(leaf.dtype_name)
+        if leaf.stored_otherwise:
+            return Node(key, "array", (), leaf.shape, leaf.dtype_name, nbytes, size, 1, leaf,
+                        stored=leaf.stored_dtype, stored_nbytes=leaf.stored_nbytes)
+        return Node(key, "array", (), leaf.shape, leaf.dtype_name, nbytes, size, 1, leaf, stored_nbytes=nbytes)
 
     first_of_layout: dict[tuple, Node] = {}
     prod, itemsize, array_leaf, is_node, natural_sort_key = math.prod, _dtypes.itemsize, _leaf.ArrayLeaf, \
@@ -74,13 +91,14 @@ def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
         keys, children, parts = [], [], []  # parts: what the rows below show, the node's layout
         for k, child in node.items() if isinstance(node, dict) else enumerate(node):
             if isinstance(child, array_leaf) and not patterns:
-                part = (k, child.shape, child.dtype_name)
+                part = (k, child.shape, child.dtype_name, child.stored_dtype) if child.stored_otherwise else \
+                    (k, child.shape, child.dtype_name)
             else:
                 child = build(child, keypath + (k,)) if is_node(child) else leaf_row(k, keypath + (k,), child)
                 if child is None:
                     continue
                 # a value leaf's row shows its value: no other subtree shows the same
-                part = ((k, child.layout) if child.kind == "node" else (k, child.shape, child.dtype)
+                part = ((k, child.layout) if child.kind == "node" else (k, child.shape, child.dtype, child.stored)
                         if child.kind == "array" else (k, "value", id(child)))
             keys.append(k)
             children.append(child)
@@ -93,19 +111,18 @@ def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
         first = first_of_layout.get(layout)
         if first is not None and shared:
             return Node(key, "node", first.children, None, None, first.nbytes, first.params, first.num_leaves,
-                        layout=first.layout)
+                        layout=first.layout, stored_nbytes=first.stored_nbytes)
         kids = []
         order = range(len(keys)) if not isinstance(node, dict) else sorted(
             range(len(keys)), key=lambda i: natural_sort_key(keys[i]))
         for i in order:
             k, child = keys[i], children[i]
             if isinstance(child, array_leaf):
-                size = prod(child.shape)
-                child = Node(k, "array", (), child.shape, child.dtype_name, size * itemsize(child.dtype_name), size,
-                             1, child)
+                child = array_row(k, child)
             kids.append(child)
         row = Node(key, "node", kids, None, None, sum(c.nbytes for c in kids), sum(c.params for c in kids),
-                   sum(c.num_leaves for c in kids), layout=first.layout if first else len(first_of_layout))
+                   sum(c.num_leaves for c in kids), layout=first.layout if first else len(first_of_layout),
+                   stored_nbytes=sum(c.stored_nbytes for c in kids))
         first_of_layout.setdefault(layout, row)
         return row
 
@@ -113,17 +130,21 @@ def summarize(tree: Any, where: list[str] = (), *, shared: bool = True) -> Node:
         root = build(tree, ())
     else:
         root = leaf_row(None, (), tree) or Node(key=None, kind="node")
-    root.by_dtype = _by_dtype(root)
+    root.by_dtype, root.any_stored_otherwise = _by_dtype(root)
     return root
 
 
-def _by_dtype(root: Node) -> dict[str, list[int]]:
-    """``(arrays, params, bytes)`` per dtype under ``root``, each layout counted once."""
+def _by_dtype(root: Node) -> tuple[dict[str, list[int]], bool]:
+    """``(arrays, params, bytes stored)`` per stored type (its dtype, or a quantization's)
+    under ``root``, each layout counted once; and whether any array is stored otherwise."""
     of_layout: dict[int, dict[str, list[int]]] = {}
+    otherwise = []
 
     def count(node: Node) -> dict[str, list[int]]:
         if node.kind == "array":
-            return {node.dtype: [1, node.params, node.nbytes]}
+            if node.stored is not None:
+                otherwise.append(node.stored)
+            return {node.stored or node.dtype: [1, node.params, node.stored_nbytes]}
         if node.kind == "value":
             return {}
         found = of_layout.get(node.layout)
@@ -139,7 +160,8 @@ def _by_dtype(root: Node) -> dict[str, list[int]]:
                 of_layout[node.layout] = found
         return found
 
-    return count(root)
+    totals = count(root)
+    return totals, bool(otherwise)
 
 
 def leaves(root: Node) -> list[Node]:

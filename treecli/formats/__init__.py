@@ -72,6 +72,9 @@ def quantized(tree: Any, kind: str) -> Any:
     return _tree.map_leaves(leaf, tree)
 
 
+GGUF_ARRAY = 9  # a GGUF metadata value's type number for an array (gguf.GGUFValueType.ARRAY)
+
+
 def gguf_value(kind: int, value: Any) -> Any:
     """A GGUF metadata value of GGUF type ``kind`` (``gguf.GGUFValueType``; an array's
     ``value`` is its items' type and the items), as a GGUF output writes it."""

@@ -83,6 +83,16 @@ class QuantizedLeaf(_leaf.WholeLeaf):
     def raw_nbytes(self) -> int:
         return self.size // self._block * self._block_bytes
 
+    stored_otherwise = True
+
+    @property
+    def stored_dtype(self) -> str:
+        return type_name(self._kind)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.raw_nbytes
+
     def read_raw(self, start: int, stop: int):
         """Bytes ``[start, stop)`` of its blocks, as stored."""
         import numpy as np
