@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import treecli
+from safetensors.numpy import save_file
 from treecli import _tree
 from treecli._keypath import format_keypath
 
@@ -343,3 +344,22 @@ def test_a_gguf_architecture_from_the_file_is_escaped_and_bounded(cli, tmp_path)
     assert shown.code == 0, shown.stderr
     head = shown.stdout.splitlines()[0]
     assert "\x1b" not in head and "evil" in head and "x" * 100 not in head
+
+
+def test_a_quantizing_write_says_how_far_it_is_from_its_input(cli, tmp_path):
+    """Issue 43, item 5: a lossy write is not "bit-exact": it says its largest error, in
+    units of the quantization step (each block's scale) and in value."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((8, 64)).astype(np.float32)
+    save_file({"w": a, "b": np.arange(4, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "q.gguf", "--dtype", "q8_0")
+    assert result.code == 0, result.stderr
+    blocks = quants.quantize(a, Q.Q8_0)
+    error = np.abs(quants.dequantize(blocks, Q.Q8_0) - a).reshape(-1, 32).max(axis=1)
+    scales = np.abs(blocks.reshape(-1, 34)[:, :2].copy().view(np.float16).astype(np.float32)).reshape(-1)
+    lines = [line for line in result.stderr.splitlines() if "verified" in line]
+    assert lines == [f"treecli: verified: 1 tensor quantized to Q8_0 is within {(error / scales).max():.2f} of a "
+                     f"quantization step of its input (largest error {error.max():.3g}); every other leaf is "
+                     "bit-exact"], result.stderr
+    plain = cli("convert", tmp_path / "m.safetensors", tmp_path / "copy.gguf")
+    assert "verified: every leaf is bit-exact" in plain.stderr

@@ -87,6 +87,18 @@ VerifyOpt = Annotated[bool, typer.Option(
     "--verify", help="Read the output back and check every leaf bit for bit before it replaces anything (a local "
                      "output; convert always does).")]
 VERIFIED = "verified: every leaf is bit-exact"  # the note of a verified output
+
+
+def quantized_note(errors: dict[str, tuple[int, float, float]], verified: bool) -> str:
+    """The note of an output some of whose tensors were quantized (``formats.quantization_errors``):
+    how far from their input they are; verified, every other leaf bit-exact."""
+    from treecli._errors import counted
+
+    parts = [f"{counted(count, 'tensor')} quantized to {kind} {'is' if count == 1 else 'are'} within {steps:.2f} "
+             f"of a quantization step of {'its' if count == 1 else 'their'} input (largest error {value:.3g})"
+             for kind, (count, steps, value) in errors.items()]
+    return ("verified: " if verified else "") + "; ".join(parts) + (
+        "; every other leaf is bit-exact" if verified else "")
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
 DropUnsupportedOpt = Annotated[
     bool, typer.Option("--drop-unsupported", help="Drop leaves the output format cannot hold, with a warning."),

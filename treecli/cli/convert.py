@@ -64,7 +64,7 @@ def convert(
     from treecli import _dtypes, _tree
     from treecli._combine import AverageReport, cast_floats
     from treecli._errors import UsageError, option
-    from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantized
+    from treecli.formats import GGUF_QUANTIZATIONS, is_url, output_format, quantization_errors, quantized
 
     out = Output(quiet=quiet)
     if list_recipes:
@@ -97,7 +97,8 @@ def convert(
                                    max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
                                    metadata=conversion.metadata_of(tree) if conversion else None,
                                    companions=companions, decided=decided)
-        notes = [opt.VERIFIED] if verify else []
+        errors = quantization_errors(tree)
+        notes = [opt.quantized_note(errors, verify)] if errors else [opt.VERIFIED] if verify else []
         warnings = (conversion.warnings if conversion else []) + report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, input=str(source), verified=verify) if json else None)

@@ -91,6 +91,19 @@ def stored_type(leaf: Any) -> str:
     return type_name(leaf.kind) if isinstance(leaf, QuantizedLeaf) else _leaf.as_leaf(leaf).dtype_name
 
 
+def quantization_errors(tree: Any) -> dict[str, tuple[int, float, float]]:
+    """For each type ``quantized`` wrote ``tree``'s leaves in: how many tensors, and the
+    largest error in quantization steps and in value, as measured when their blocks were
+    made (empty before they are written, and where nothing was quantized)."""
+    found: dict[str, tuple[int, float, float]] = {}
+    for leaf in _tree.leaves(tree):
+        error = getattr(leaf, "error", None)
+        if isinstance(error, tuple):
+            count, steps, value = found.get(leaf.stored_dtype, (0, 0.0, 0.0))
+            found[leaf.stored_dtype] = (count + 1, max(steps, error[0]), max(value, error[1]))
+    return found
+
+
 def open_array(path: str | Path) -> Any:
     """The one array of a ``.npy`` file as a lazy leaf (``edit --set KEYPATH=@file.npy``)."""
     from treecli.formats import npy

@@ -309,6 +309,9 @@ class _Quantizing(QuantizedLeaf):
         super().__init__(None, 0, tuple(source.shape), kind, sizes)
         self._source = source
         self._blocks = None
+        #: How far its values are from the source's, measured as its blocks are made: the
+        #: largest error in units of the quantization step (a block's scale), and in value.
+        self.error: tuple[float, float] | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -319,8 +322,16 @@ class _Quantizing(QuantizedLeaf):
         from gguf import quants
         from gguf.constants import GGMLQuantizationType
 
+        kind = GGMLQuantizationType(self.kind)
         data = np.asarray(self._source, np.float32).reshape(-1, self.shape[-1])
-        return quants.quantize(data, GGMLQuantizationType(self.kind)).reshape(-1)
+        blocks = quants.quantize(data, kind)
+        # Every type written here starts a block with its scale, a float16 (d): the step.
+        error = np.abs(quants.dequantize(blocks, kind) - data).reshape(-1, self._block).max(axis=1)
+        step = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(np.float32))[:, 0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.where(step > 0, error / step, 0.0)
+        self.error = (float(steps.max(initial=0.0)), float(error.max(initial=0.0)))
+        return blocks.reshape(-1)
 
     def read_raw(self, start: int, stop: int):
         if self._blocks is None:
