@@ -16,11 +16,12 @@ float type again, a ``config.json`` from the metadata and the tokenizer files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from treecli import _leaf
 from treecli._errors import UsageError
@@ -267,33 +268,26 @@ def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, r
     if arch == "llama":
         writer.add_vocab_size(config.get("vocab_size", rows))
         writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    with _companions(checkpoint) as directory:
+    with _tokenizer_directory(checkpoint) as directory:
         warnings = _vocab.to_gguf(directory, rows, writer)
     return _as_metadata(writer), warnings
 
 
-class _companions:
+@contextlib.contextmanager
+def _tokenizer_directory(checkpoint: Any) -> Iterator[Path]:
     """A local directory holding the files beside the weights the tokenizer is read from:
     the input's own, or (remote) a temporary one they are fetched into."""
-
-    def __init__(self, checkpoint: Any):
-        self._checkpoint, self._temporary = checkpoint, None
-
-    def __enter__(self) -> Path:
-        folder = self._checkpoint.folder
-        if folder is not None and folder.local_path is not None:
-            return Path(folder.local_path)
-        self._temporary = tempfile.TemporaryDirectory(prefix="treecli-tokenizer-")
+    folder = checkpoint.folder
+    if folder is not None and folder.local_path is not None:
+        yield Path(folder.local_path)
+        return
+    with tempfile.TemporaryDirectory(prefix="treecli-tokenizer-") as directory:
         for name in _TOKENIZER_FILES:
-            data = companion_bytes(self._checkpoint, name) if name == "tokenizer.model" else \
-                (text.encode("utf-8") if (text := companion_text(self._checkpoint, name)) is not None else None)
+            data = companion_bytes(checkpoint, name) if name == "tokenizer.model" else \
+                (text.encode("utf-8") if (text := companion_text(checkpoint, name)) is not None else None)
             if data is not None:
-                (Path(self._temporary.name) / name).write_bytes(data)
-        return Path(self._temporary.name)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._temporary is not None:
-            self._temporary.cleanup()
+                (Path(directory) / name).write_bytes(data)
+        yield Path(directory)
 
 
 def _as_metadata(writer: Any) -> dict[str, Any]:
