@@ -18,7 +18,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from .test_model_recipes import IDS, _build, _logits, _sentencepiece_model
+from .test_model_recipes import IDS, LLAMA3, _build, _logits, _sentencepiece_model
 
 PYTHON = os.environ.get("TREECLI_LLAMA_CPP")
 pytestmark = pytest.mark.skipif(not PYTHON, reason="TREECLI_LLAMA_CPP names no Python with llama-cpp-python")
@@ -84,3 +84,15 @@ def test_llama_cpp_tokenizes_a_byte_level_bpe_as_transformers_does(cli, tmp_path
     text = "hello world, hello  wo"
     expected = transformers.AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False).input_ids
     assert _run(tmp_path / "m.gguf", text)["tokens"] == expected
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3, {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_llama_cpp_runs_a_scaled_rotary_embedding(cli, tmp_path, scaling):
+    """Llama 3.1/3.2's "llama3" rope scaling, as the rope_freqs tensor llama.cpp reads; linear, as its keys."""
+    model = _build(tmp_path / "m", "llama", rope_scaling=dict(scaling))
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    expected = _logits(model)[0][0]
+    unscaled = _build(tmp_path / "plain", "llama")  # (the same weights: the scaling is what differs)
+    assert not np.allclose(_logits(unscaled)[0][0], expected, rtol=1e-3)
+    np.testing.assert_allclose(np.array(_run(tmp_path / "m.gguf")["logits"]), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())

@@ -28,7 +28,7 @@ TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% 
 KINDS = ["llama", "mistral", "qwen2"]
 
 
-def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vocab=263):
+def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vocab=263, **config_options):
     """A tiny random ``kind`` model as transformers writes it (save_pretrained), with a
     byte-level BPE tokenizer."""
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -38,7 +38,7 @@ def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vo
     # (263: the byte-level tokenizer's 256 bytes, 5 merges and 2 special tokens)
     config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=kind == "qwen2", bos_token_id=261, eos_token_id=262)
+                          tie_word_embeddings=kind == "qwen2", bos_token_id=261, eos_token_id=262, **config_options)
     torch.manual_seed(0)
     model = model_class(config).to(dtype).eval()
     with torch.no_grad():  # (a random init leaves the norms at 1: give them values of their own)
@@ -227,8 +227,11 @@ def test_what_a_recipe_cannot_make_is_one_line(cli, tmp_path):
                        "knows LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", "GPT2LMHeadModel")
     scaled = write_model(tmp_path / "scaled", "llama")
     config = json.loads((scaled / "config.json").read_text())
-    (scaled / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8}}))
-    assert_clean_error(cli("convert", scaled, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "'llama3' rope scaling")
+    (scaled / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "longrope", "factor": 8}}))
+    assert_clean_error(cli("convert", scaled, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "'longrope' rope scaling")
+    (scaled / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": "8"}}))
+    assert_clean_error(cli("convert", scaled, tmp_path / "x.gguf", "--recipe", "llama.cpp"),
+                       "rope scaling factor is '8': a positive number is wanted")
     stale = write_model(tmp_path / "stale", "llama")
     (stale / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 40}))
     assert_clean_error(cli("convert", stale, tmp_path / "x.gguf", "--recipe", "llama.cpp"),
@@ -409,3 +412,66 @@ def test_a_sentencepiece_tokenizer_goes_into_gguf_as_sentencepiece_reads_it_and_
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert tokenizer("the quick brown fox", add_special_tokens=False).input_ids == processor.encode(
         "the quick brown fox")
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def llama3_rope_freqs(theta, dim, scaling):
+    """convert_hf_to_gguf.py's rope_freqs of a llama3 rope scaling, as it computes them (torch, float32)."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3, {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 8192}])
+def test_llama3_rope_scaling_goes_in_as_rope_freqs_and_comes_back(cli, tmp_path, scaling):
+    """Llama 3.1 and 3.2 scale their rotary embedding ("llama3"): llama.cpp reads the factors
+    from a rope_freqs tensor its converter computes; the way back finds the scaling again."""
+    import gguf
+
+    model = _build(tmp_path / "m", "llama", rope_scaling=dict(scaling))
+    result = cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp")
+    assert result.code == 0, result.stderr
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    np.testing.assert_array_equal(tensors["rope_freqs.weight"], llama3_rope_freqs(10000.0, 16, scaling))
+    back = tmp_path / "back"
+    result = cli("convert", tmp_path / "m.gguf", back, "--recipe", "llama.cpp", "--reverse")
+    assert result.code == 0 and "warning" not in result.stderr, result.stderr
+    _same_weights(model, back)
+    expected, _ = _logits(model)
+    again, config = _logits(back)
+    np.testing.assert_allclose(again, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    assert config.rope_parameters["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("kind, scaling", [
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+])
+def test_linear_and_yarn_rope_scaling_go_in_as_keys_and_come_back(cli, tmp_path, kind, scaling):
+    model = _build(tmp_path / "m", kind, rope_scaling=dict(scaling))
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    metadata = cli("show", tmp_path / "m.gguf", "--json").json["metadata"]
+    assert metadata[f"{kind}.rope.scaling.type"] == scaling["rope_type"]
+    assert metadata[f"{kind}.rope.scaling.factor"] == 4.0
+    back = tmp_path / "back"
+    assert cli("convert", tmp_path / "m.gguf", back, "--recipe", "llama.cpp", "--reverse").code == 0
+    expected, _ = _logits(model)
+    again, config = _logits(back)
+    assert config.rope_parameters["rope_type"] == scaling["rope_type"]
+    np.testing.assert_allclose(again, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from treecli import _leaf
 from treecli._errors import UsageError
 from treecli._transforms import Rename, Rotary, applied, inverted, items_of, tree_of
-from treecli.recipes import _vocab
+from treecli.recipes import _rope, _vocab
 from treecli.recipes._recipe import Conversion, architecture, companion_bytes, companion_text, hf_config
 
 # transformers' architecture -> llama.cpp's (Mistral is llama there)
@@ -54,7 +54,6 @@ class LlamaCpp:
         arch = ARCHITECTURES[architecture(config, ARCHITECTURES, self.name, checkpoint.file)]
         _check_hyper_parameters(config, checkpoint.file)
         params = _params(config)
-        _refuse_rope_scaling(config, checkpoint.file)
         items = [(name, leaf) for name, leaf in items_of(checkpoint.tree) if not _SKIPPED.fullmatch(name)]
         if config.get("tie_word_embeddings") and any(name == "model.embed_tokens.weight" for name, _ in items):
             items = [(name, leaf) for name, leaf in items if name != "lm_head.weight"]
@@ -65,7 +64,8 @@ class LlamaCpp:
         if rows is None:
             raise UsageError("no embeddings (model.embed_tokens.weight) to write as token_embd.weight",
                              file=checkpoint.file)
-        metadata, warnings = _metadata(checkpoint, config, arch, layers, _leaf.as_leaf(rows).shape[0])
+        metadata, warnings, extra = _metadata(checkpoint, config, arch, layers, _leaf.as_leaf(rows).shape[0])
+        items += [(name, _leaf.InMemoryLeaf(array)) for name, array in extra.items()]
 
         def with_file_type(tree: Any) -> dict[str, Any]:
             return {**metadata, "general.file_type": _meta(4, _file_type(tree))}
@@ -84,6 +84,8 @@ class LlamaCpp:
             raise UsageError(f"the {self.name} recipe takes {', '.join(BACK)} GGUF files back; this one's "
                              f"general.architecture is {quote(str(arch))[:80]}", file=checkpoint.file)
         items = items_of(checkpoint.tree)
+        factors = dict(items).get(_rope.ROPE_FREQS)
+        items = [(name, leaf) for name, leaf in items if name != _rope.ROPE_FREQS]
         layers = meta.get(f"{arch}.block_count")
         found = {int(m.group(1)) for name, _ in items if (m := re.match(r"blk\.([0-9]+)\.", name))}
         if type(layers) is not int or layers != len(found) or found != set(range(layers)):
@@ -91,12 +93,18 @@ class LlamaCpp:
                              f"{_span(found)}: no model has both", file=checkpoint.file)
         hf_names = _hf_names([name for name, _ in items], arch, layers, checkpoint.file)
         config = _config(meta, arch, dict(items), checkpoint.file)
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        scaling, warnings = _rope.to_hf(meta, arch, None if factors is None else _leaf.as_leaf(factors).read(),
+                                        config.get("rope_theta", 10000.0), head_dim)
+        if scaling:
+            config["rope_scaling"] = scaling
         forward = operations(hf_names, arch, layers)
         items = applied(inverted(forward), items, _params(config))
         dtype = config["dtype"]
         items = [(name, _cast(leaf, dtype) if _is_vector(leaf) and dtype != "float32" else leaf)
                  for name, leaf in items]
-        files, warnings = _vocab.to_hf(checkpoint.metadata)
+        files, more = _vocab.to_hf(checkpoint.metadata)
+        warnings += more
         files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
         return Conversion(tree_of(items), {}, files, warnings, format="safetensors")
 
@@ -196,14 +204,6 @@ def _shown(value: Any) -> str:
     return quote(text[:40] + ("..." if len(text) > 40 else ""))
 
 
-def _refuse_rope_scaling(config: dict[str, Any], file: str) -> None:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if kind not in (None, "default"):
-        raise UsageError(f"the llama.cpp recipe does not write {str(kind)[:40]!r} rope scaling yet (llama.cpp's "
-                         "converter adds tensors or keys for it)", file=file)
-
-
 def _layer_count(items: list[tuple[str, Any]], config: dict[str, Any], file: str) -> int:
     numbers = {int(found.group(1)) for name, _ in items if (found := re.match(r"model\.layers\.([0-9]+)\.", name))}
     if numbers != set(range(len(numbers))):
@@ -239,9 +239,10 @@ def _meta(kind: int, value: Any) -> Any:
 
 
 def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, rows: int
-              ) -> tuple[dict[str, Any], list[str]]:
+              ) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     """The GGUF metadata llama.cpp's converter writes for this model, by the ``gguf``
-    package's writer (its keys and value types), and warnings."""
+    package's writer (its keys and value types), warnings, and the tensors it adds
+    (``rope_freqs.weight``, name -> array)."""
     import gguf
 
     writer = gguf.GGUFWriter(None, arch)
@@ -260,6 +261,8 @@ def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, r
     theta = rope.get("rope_theta", config.get("rope_theta"))
     if theta is not None:
         writer.add_rope_freq_base(theta)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    extra = _rope.to_gguf(config, arch, 10000.0 if theta is None else theta, head_dim, writer, checkpoint.file)
     if config.get("rms_norm_eps") is not None:
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("head_dim") is not None:
@@ -267,10 +270,10 @@ def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, r
         writer.add_value_length(config["head_dim"])
     if arch == "llama":
         writer.add_vocab_size(config.get("vocab_size", rows))
-        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        writer.add_rope_dimension_count(head_dim)
     with _tokenizer_directory(checkpoint) as directory:
         warnings = _vocab.to_gguf(directory, rows, writer)
-    return _as_metadata(writer), warnings
+    return _as_metadata(writer), warnings, extra
 
 
 @contextlib.contextmanager
