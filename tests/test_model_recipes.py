@@ -475,3 +475,15 @@ def test_linear_and_yarn_rope_scaling_go_in_as_keys_and_come_back(cli, tmp_path,
     again, config = _logits(back)
     assert config.rope_parameters["rope_type"] == scaling["rope_type"]
     np.testing.assert_allclose(again, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_show_of_the_recipe_s_gguf_keeps_the_tokenizer_json_short(cli, tmp_path):
+    model = write_model(tmp_path / "m", "llama")
+    assert cli("convert", model, tmp_path / "m.gguf", "--recipe", "llama.cpp").code == 0
+    size = len((model / "tokenizer.json").read_text())
+    assert size > 4096
+    line = next(line for line in cli("show", tmp_path / "m.gguf").stdout.splitlines()
+                if line.startswith("tokenizer.huggingface.json"))
+    assert line.endswith(f"… ({size:,} characters)") and len(line) < 4200
+    assert cli("show", tmp_path / "m.gguf", "--json").json["metadata"]["tokenizer.huggingface.json"] == \
+        (model / "tokenizer.json").read_text()  # (under 65,536 characters: whole)

@@ -345,12 +345,23 @@ def dtype_lines(root: Node, totals: list[tuple[str, int, int, int]], width: int 
 def metadata_lines(metadata: dict[str, Any], width: int | None = None) -> Iterable[Line]:
     """The metadata as a two-column table; on a terminal (``width``), a value too long for
     it goes on over the lines below, in its column."""
-    rows = [[quote(str(k)), quote(v) if isinstance(v, str) else repr(v)] for k, v in metadata.items()]
+    rows = [[quote(str(k)), _clipped_value(v)] for k, v in metadata.items()]
     room = width - max(len("metadata"), *(len(k) for k, _ in rows)) - 2 if width and rows else 0
     if room >= 16:
         rows = [[key if i == 0 else "", value[start:start + room]]
                 for key, value in rows for i, start in enumerate(range(0, max(len(value), 1), room))]
     return table(["metadata", "value"], rows)
+
+
+_SHOWN_CHARS = 4096  # a metadata text longer than this (a whole tokenizer.json) shows its start
+
+
+def _clipped_value(value: Any) -> str:
+    if not isinstance(value, str):
+        return repr(value)
+    if len(value) <= _SHOWN_CHARS:
+        return quote(value)
+    return quote(value[:_SHOWN_CHARS]) + f"… ({len(value):,} characters)"
 
 
 def headline(file: str, fmt: str, root: Node, totals: list[tuple[str, int, int, int]],
