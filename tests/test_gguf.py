@@ -363,3 +363,45 @@ def test_a_quantizing_write_says_how_far_it_is_from_its_input(cli, tmp_path):
                      "bit-exact"], result.stderr
     plain = cli("convert", tmp_path / "m.safetensors", tmp_path / "copy.gguf")
     assert "verified: every leaf is bit-exact" in plain.stderr
+
+
+def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, model, tmp_path):
+    """Issue 43, item 4: `edit --scale` of a Q8_0 tensor into a GGUF output writes Q8_0, and says
+    it requantized; a type treecli cannot quantize yet (Q4_K) is written F32, and said too."""
+    expected = expected_arrays(model)
+    result = cli("edit", model, "-o", tmp_path / "e.gguf", "--scale", "blk.1.q8_0.weight=2")
+    assert result.code == 0, result.stderr
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "e.gguf")).tensors}
+    scaled = tensors["blk.1.q8_0.weight"]
+    assert scaled.tensor_type == Q.Q8_0
+    twice = quants.quantize(expected["blk.1.q8_0.weight"] * 2, Q.Q8_0)
+    assert np.asarray(scaled.data).tobytes() == twice.tobytes()
+    assert "requantized to Q8_0: 1 tensor, within" in result.stderr and "bit-exact" not in result.stderr
+    assert tensors["blk.1.q4_0.weight"].tensor_type == Q.Q4_0  # (not edited: its blocks as they were)
+    lossy = cli("edit", model, "-o", tmp_path / "k.gguf", "--scale", "blk.1.q4_k.weight=2")
+    assert lossy.code == 0, lossy.stderr
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors}
+    assert tensors["blk.1.q4_k.weight"].tensor_type == Q.F32
+    assert "1 tensor stored Q4_K is written F32: treecli does not write Q4_K yet" in lossy.stderr
+
+
+def test_an_average_of_quantized_tensors_stays_quantized_and_a_copy_keeps_its_blocks(cli, model, tmp_path):
+    result = cli("average", model, model, "-o", tmp_path / "a.gguf")
+    assert result.code == 0, result.stderr
+    before = {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(str(model)).tensors}
+    after = {t.name: (t.tensor_type, np.asarray(t.data).tobytes())
+             for t in gguf.GGUFReader(str(tmp_path / "a.gguf")).tensors}
+    for kind in (Q.Q8_0, Q.Q4_0):  # a model averaged with itself: its own blocks again
+        name = f"blk.1.{kind.name.lower()}.weight"
+        assert after[name] == (kind, before[name]), name
+
+
+def test_a_slice_of_quantized_rows_keeps_its_blocks_and_one_across_them_says_why_it_is_f32(cli, model, tmp_path):
+    result = cli("slice", model, "--index", "blk.1.q8_0.weight=1:3", "-o", tmp_path / "rows.gguf")
+    assert result.code == 0, result.stderr
+    before = next(t for t in gguf.GGUFReader(str(model)).tensors if t.name == "blk.1.q8_0.weight")
+    after = next(t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors if t.name == "blk.1.q8_0.weight")
+    assert after.tensor_type == Q.Q8_0 and np.asarray(after.data).tobytes() == np.asarray(before.data)[1:3].tobytes()
+    result = cli("slice", model, "--index", "blk.1.q8_0.weight=:, :40", "-o", tmp_path / "cut.gguf")
+    assert result.code == 0, result.stderr
+    assert "1 tensor stored Q8_0 is written F32: its rows are not whole Q8_0 blocks" in result.stderr

@@ -78,7 +78,7 @@ def write_output(
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
     from treecli import _tree
-    from treecli.formats import is_url, output_format, save_in_place
+    from treecli.formats import get, held_by, is_url, output_format, save_in_place
     from treecli._units import parse_size
 
     guessed_directory = None
@@ -92,6 +92,9 @@ def write_output(
         if is_dir and format is None and max_shard_size is None and not target.exists() and not is_url(source.file) \
                 and Path(source.file).is_file():
             guessed_directory = fmt  # a file in, a new directory out: maybe not what was meant; said once written
+    holder = decided[0] if target is not None and not is_url(target) else get(source.format) if in_place else None
+    if holder is not None and holder.name == "gguf":  # (its quantized tensors' edited values requantized)
+        tree = held_by(tree, holder, str(target or source.file))
     total = _tree.array_bytes(tree)
     name = Path(source.file).name if in_place else str(target).rstrip("/").rsplit("/", 1)[-1]
     with out.progress(f"writing {name}", total) as advance:
@@ -111,11 +114,26 @@ def write_output(
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify, decided=decided)
+    if holder is not None and holder.name == "gguf":
+        _say_requantized(out, tree)
     if guessed_directory is not None:
         kind = "an HF safetensors directory" if guessed_directory.name == "safetensors" else "an Orbax checkpoint"
         out.note(f"the output's name has no extension, so it is {kind} (for one file, name it "
                  f"{target.name}{guessed_directory.extensions[0]})")
     return target
+
+
+def _say_requantized(out: Output, tree: Any) -> None:
+    """What a GGUF output did with quantized tensors whose values a command changed: each
+    quantized in its own type again, how far from the values asked for; or written F32,
+    where treecli does not write that type."""
+    from treecli.formats import quantization_errors, unrequantized
+
+    for kind, (count, steps, value) in quantization_errors(tree, requantized=True).items():
+        out.note(f"requantized to {kind}: {counted(count, 'tensor')}, within {steps:.2f} of a quantization step of "
+                 f"the values asked for (largest error {value:.3g})")
+    for (kind, why), count in unrequantized(tree).items():
+        out.warn(f"{counted(count, 'tensor')} stored {kind} {'is' if count == 1 else 'are'} written F32: {why}")
 
 
 def report_written(out: Output, written: str | Path | None, *, notes: Sequence[str] = (),

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
+# What a GGUF output can quantize float leaves to (``convert --dtype``; the gguf package quantizes these).
+from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS as GGUF_QUANTIZATIONS
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
 
@@ -44,9 +46,6 @@ def get(name: str) -> Format:
     module, _, cls = FORMATS[name].partition(":")
     return getattr(importlib.import_module(module), cls)()
 
-
-# What a GGUF output can quantize float leaves to (``convert --dtype``; the gguf package quantizes these).
-GGUF_QUANTIZATIONS = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
 def quantized(tree: Any, kind: str) -> Any:
@@ -91,17 +90,26 @@ def stored_type(leaf: Any) -> str:
     return type_name(leaf.kind) if isinstance(leaf, QuantizedLeaf) else _leaf.as_leaf(leaf).dtype_name
 
 
-def quantization_errors(tree: Any) -> dict[str, tuple[int, float, float]]:
-    """For each type ``quantized`` wrote ``tree``'s leaves in: how many tensors, and the
+def quantization_errors(tree: Any, *, requantized: bool = False) -> dict[str, tuple[int, float, float]]:
+    """For each type ``quantized`` wrote ``tree``'s leaves in (``requantized``: a GGUF
+    output quantized them in their own type again, ``held_by``): how many tensors, and the
     largest error in quantization steps and in value, as measured when their blocks were
     made (empty before they are written, and where nothing was quantized)."""
     found: dict[str, tuple[int, float, float]] = {}
     for leaf in _tree.leaves(tree):
         error = getattr(leaf, "error", None)
-        if isinstance(error, tuple):
+        if isinstance(error, tuple) and getattr(leaf, "requantized", False) == requantized:
             count, steps, value = found.get(leaf.stored_dtype, (0, 0.0, 0.0))
             found[leaf.stored_dtype] = (count + 1, max(steps, error[0]), max(value, error[1]))
     return found
+
+
+def unrequantized(tree: Any) -> dict[tuple[str, str], int]:
+    """How many leaves made from quantized tensors a GGUF output writes F32, by type and why
+    (``formats.gguf.unrequantized``)."""
+    from treecli.formats import gguf
+
+    return gguf.unrequantized(tree)
 
 
 def open_array(path: str | Path) -> Any:
@@ -440,7 +448,7 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
             raise TreecliError(f"a leaf of {len(leaf.shape)} dimensions; NumPy, and so treecli, reads at most "
                                f"{MAX_NDIM}: nothing written", file=file, keypath=format_keypath(keypath)[:80])
         numbers = numbers or isinstance(leaf, (bool, int, float, complex))
-    return tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree)
+    return fmt.held(tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree))
 
 
 def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,

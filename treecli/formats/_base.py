@@ -271,6 +271,11 @@ class Format:
             return ()
         return self.extensions if self.write_extensions is None else self.write_extensions
 
+    def held(self, tree: Any) -> Any:
+        """``tree`` as this format holds it, where that is another tree (GGUF: a quantized
+        tensor's edited values quantized in its type again); as it is by default."""
+        return tree
+
     def owns(self, name: str) -> bool:
         """Whether an entry of an output directory is one its writer writes (``-o DIR --force``
         may replace a directory that holds nothing else)."""

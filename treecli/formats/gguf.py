@@ -27,7 +27,8 @@ from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import LocalFolder
 from treecli.formats._gguf_layout import (ARRAY, ARRAYS, MAGIC, MAX_DIMS, MAX_KEYS, MAX_NESTING, MAX_TENSORS,
-                                           SCALARS, STRING, MetaValue, QuantizedLeaf, type_name)
+                                           SCALARS, STRING, WRITTEN_QUANTIZATIONS, MetaValue, QuantizedLeaf,
+                                           type_name)
 
 
 
@@ -43,6 +44,10 @@ class GgufFormat(Format):
         from treecli.formats import _gguf_write
 
         _gguf_write.write(tree, target, options)
+
+    def held(self, tree: Any) -> Any:
+        """Quantized tensors' edited values in their own type again (``kept_quantized``)."""
+        return kept_quantized(tree)
 
     def sniff(self, path: Path) -> str | None:
         if path.is_dir():
@@ -301,6 +306,57 @@ def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
     return _Quantizing(leaf, int(kind), (block, size))
 
 
+def kept_quantized(tree: Any) -> Any:
+    """``tree`` as a GGUF output holds it: a float32 leaf computed from quantized tensors of
+    one type (an edit's ``--scale``, an average, a slice of whole blocks) quantized in that
+    type again, where treecli quantizes it (``requantized``); any other leaf as it is."""
+    from treecli import _tree
+
+    def leaf(_keypath: tuple, value: Any) -> Any:
+        kind = _quantized_origin(value)
+        if kind is None or kind.lower() not in WRITTEN_QUANTIZATIONS:
+            return value
+        made = quantizing(value, kind.lower())
+        if made is not value:
+            made.requantized = True
+        return made
+
+    return _tree.map_leaves(leaf, tree)
+
+
+def _quantized_origin(value: Any) -> str | None:
+    """The type of the quantized tensors a float32 computed leaf is made from, where they are
+    all of one type (and it reads from nothing else); else None."""
+    if not isinstance(value, _leaf.ComputedLeaf) or value.dtype_name != "float32":
+        return None
+    kinds, pending = set(), list(value.inputs)
+    while pending:
+        source = pending.pop()
+        if isinstance(source, QuantizedLeaf):
+            kinds.add(source.stored_dtype)
+        elif isinstance(source, _leaf.ComputedLeaf) and source.inputs:
+            pending.extend(source.inputs)
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def unrequantized(tree: Any) -> dict[tuple[str, str], int]:
+    """How many float32 leaves of ``tree`` made from quantized tensors a GGUF output writes as
+    F32 (``kept_quantized`` left them), by that type and why: treecli does not write the
+    type yet, or their rows are no longer whole blocks (a slice across them)."""
+    from treecli import _tree
+
+    found: dict[tuple[str, str], int] = {}
+    for value in _tree.leaves(tree):
+        kind = _quantized_origin(value)
+        if kind is not None:
+            why = f"its rows are not whole {kind} blocks" if kind.lower() in WRITTEN_QUANTIZATIONS else \
+                f"treecli does not write {kind} yet"
+            found[kind, why] = found.get((kind, why), 0) + 1
+    return found
+
+
 class _Quantizing(QuantizedLeaf):
     """A float leaf quantized when written (its blocks computed whole, once per pass over
     them) and read back as its blocks dequantized: a verified output compares equal."""
@@ -312,6 +368,9 @@ class _Quantizing(QuantizedLeaf):
         #: How far its values are from the source's, measured as its blocks are made: the
         #: largest error in units of the quantization step (a block's scale), and in value.
         self.error: tuple[float, float] | None = None
+        #: Whether it is a quantized tensor's edited values quantized in its own type again
+        #: (``kept_quantized``), not a float leaf quantized as asked (``quantized``).
+        self.requantized = False
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ from typing import Any
 from treecli._errors import UsageError
 
 ROPE_FREQS = "rope_freqs.weight"
+# The scalings llama.cpp reads from keys: transformers' rope_type -> gguf.RopeScalingType
+_AS_KEYS = {"linear": "LINEAR", "yarn": "YARN"}
 # The parameters of a scaling that are numbers (transformers' names)
 _NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
             "beta_slow", "extrapolation_factor", "attention_factor")
@@ -78,21 +80,21 @@ def to_gguf(config: dict[str, Any], arch: str, theta: float, head_dim: int, writ
                              file=file)
     if kind == "llama3" and arch == "llama":
         return {ROPE_FREQS: llama3_factors(theta, head_dim, scaling)}
-    if kind == "linear" and isinstance(scaling.get("factor"), (int, float)):
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    keyed = _AS_KEYS.get(kind)
+    if keyed is not None and isinstance(scaling.get("factor"), (int, float)):
+        yarn = keyed == "YARN"
+        if yarn and not isinstance(scaling.get("original_max_position_embeddings"), int):
+            raise UsageError("config.json's yarn rope scaling has no original_max_position_embeddings", file=file)
+        writer.add_rope_scaling_type(gguf.RopeScalingType[keyed])
         writer.add_rope_scaling_factor(scaling["factor"])
-        return {}
-    if kind == "yarn" and isinstance(scaling.get("factor"), (int, float)) and \
-            isinstance(scaling.get("original_max_position_embeddings"), int):
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(scaling["factor"])
-        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
-                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
-                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
-                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
-            if isinstance(scaling.get(key), (int, float)):
-                add(scaling[key])
+        if yarn:
+            writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                             ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                             ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+                if isinstance(scaling.get(key), (int, float)):
+                    add(scaling[key])
         return {}
     raise UsageError(f"the llama.cpp recipe does not write {str(kind)[:40]!r} rope scaling for a {arch} model "
                      "(it writes llama3, linear and yarn as llama.cpp's converter does)", file=file)
@@ -102,9 +104,10 @@ def to_hf(meta: dict[str, Any], arch: str, factors: Any, theta: float, head_dim:
     """The ``rope_scaling`` of a config.json that a GGUF file's keys and ``rope_freqs``
     factors describe (empty: none), and warnings."""
     kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind in ("linear", "yarn") and isinstance(meta.get(f"{arch}.rope.scaling.factor"), (int, float)):
+    if isinstance(kind, str) and kind in _AS_KEYS and isinstance(meta.get(f"{arch}.rope.scaling.factor"),
+                                                                  (int, float)):
         scaling = {"rope_type": kind, "factor": meta[f"{arch}.rope.scaling.factor"]}
-        if kind == "yarn" and isinstance(meta.get(f"{arch}.rope.scaling.original_context_length"), int):
+        if _AS_KEYS[kind] == "YARN" and isinstance(meta.get(f"{arch}.rope.scaling.original_context_length"), int):
             scaling["original_max_position_embeddings"] = meta[f"{arch}.rope.scaling.original_context_length"]
         return scaling, []
     if factors is None:
