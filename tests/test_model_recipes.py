@@ -36,9 +36,10 @@ def _build(directory, kind, *, dtype=torch.float32, layers=2, tokenizer=True, vo
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
     config_class, model_class = classes[kind]
     # (263: the byte-level tokenizer's 256 bytes, 5 merges and 2 special tokens)
-    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=kind == "qwen2", bos_token_id=261, eos_token_id=262, **config_options)
+    config = config_class(**{"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "max_position_embeddings": 128, "tie_word_embeddings": kind == "qwen2",
+                             "bos_token_id": 261, "eos_token_id": 262, **config_options})
     torch.manual_seed(0)
     model = model_class(config).to(dtype).eval()
     with torch.no_grad():  # (a random init leaves the norms at 1: give them values of their own)

@@ -22,7 +22,7 @@ from typing import Any
 from treecli import _leaf
 from treecli._bytes.local import open_regular
 from treecli._errors import FormatError, UsageError
-from treecli.formats import _flatkeys, _model
+from treecli.formats import _flatkeys, _kquants, _model
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import LocalFolder
@@ -294,16 +294,24 @@ class _BigEndianLeaf(FileArrayLeaf):
 
 
 def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
-    """``leaf`` to be written quantized (``q8_0``, ...), as llama.cpp quantizes weights:
-    a leaf of two or more dimensions whose rows fill whole blocks; any other leaf as it is.
-    Its values are those a reader gets back: quantized, then dequantized."""
+    """``leaf`` to be written quantized (``q8_0``, ``q6_k``, ...), as llama.cpp quantizes
+    weights: a leaf of two or more dimensions whose rows fill whole blocks (rows that do
+    not fill Q6_K's 256 fall back to Q8_0, as llama.cpp's quantizer falls back); any other
+    leaf as it is. Its values are those a reader gets back: quantized, then dequantized."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType[kind_name.upper()]
     block, size = GGML_QUANT_SIZES[kind]
+    if leaf.ndim >= 2 and leaf.shape[-1] % block and kind.name in _FALLBACKS:
+        return quantizing(leaf, _FALLBACKS[kind.name])
     if leaf.ndim < 2 or leaf.shape[-1] % block or not leaf.size:
         return leaf
     return _Quantizing(leaf, int(kind), (block, size))
+
+
+# A K-quant whose blocks a tensor's rows cannot fill -> the type llama.cpp writes instead
+# (``tensor_type_fallback`` in llama-quant.cpp)
+_FALLBACKS = {"Q6_K": "q8_0"}
 
 
 def kept_quantized(tree: Any) -> Any:
@@ -383,10 +391,14 @@ class _Quantizing(QuantizedLeaf):
 
         kind = GGMLQuantizationType(self.kind)
         data = np.asarray(self._source, np.float32).reshape(-1, self.shape[-1])
-        blocks = quants.quantize(data, kind)
-        # Every type written here starts a block with its scale, a float16 (d): the step.
-        error = np.abs(quants.dequantize(blocks, kind) - data).reshape(-1, self._block).max(axis=1)
-        step = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(np.float32))[:, 0]
+        if kind == GGMLQuantizationType.Q6_K:  # (llama.cpp's reference quantizer, byte for byte)
+            blocks = _kquants.quantize_q6_k(data).reshape(data.shape[0], -1)
+            step, group = _kquants.q6_k_steps(blocks), 16
+        else:  # (the gguf package's; these types start a block with its scale, a float16 d: the step)
+            blocks = quants.quantize(data, kind)
+            step, group = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(
+                np.float32))[:, 0], self._block
+        error = np.abs(quants.dequantize(blocks, kind) - data).reshape(-1, group).max(axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):
             steps = np.where(step > 0, error / step, 0.0)
         self.error = (float(steps.max(initial=0.0)), float(error.max(initial=0.0)))

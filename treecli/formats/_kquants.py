@@ -1,0 +1,125 @@
+"""llama.cpp's K-quants, written as its reference quantizer writes them (``ggml-quants.c``'s
+``quantize_row_q6_K_ref``, no importance matrix): every block byte for byte, checked
+against blocks the C reference made (``tests/data/kquants/``, and the script that made
+them).
+
+The reference works one 16-value group at a time in float32; here the same float32
+operations run on every group of a tensor at once, in the reference's order (sums
+accumulated value by value, never pairwise; ``nearest_int`` is float32 round-half-even),
+so that the bits agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QK_K = 256  # values in a K-quant super-block
+Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (float16)
+_GROUP_MAX_EPS = 1e-15
+
+
+def quantize_q6_k(data: Any) -> Any:
+    """``data`` (float32, a multiple of 256 values, row by row) as Q6_K blocks (uint8,
+    210 bytes per 256 values). Inf and NaN go through as the reference's arithmetic takes
+    them, without floating-point warnings."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        return _q6_k(np.ascontiguousarray(data, np.float32))
+
+
+def _q6_k(data: Any) -> Any:
+    import numpy as np
+
+    f32 = np.float32
+    x = data.reshape(-1, QK_K // 16, 16)  # (blocks, groups, 16)
+    blocks = x.shape[0]
+    scales, levels = _make_qx_quants(x.reshape(-1, 16), 32)
+    scales = scales.reshape(blocks, QK_K // 16)
+    levels = levels.reshape(blocks, QK_K // 16, 16)
+    # the block's scale: the group scale of largest magnitude (the first, as the C loop keeps it)
+    max_scale = np.take_along_axis(scales, _first_largest(np.abs(scales))[:, None], axis=1)[:, 0]
+    empty = np.abs(max_scale) < f32(_GROUP_MAX_EPS)
+    iscale = np.where(empty, f32(0), f32(-128) / np.where(empty, f32(1), max_scale))
+    d = np.where(empty, f32(0), f32(1) / np.where(empty, f32(1), iscale)).astype(np.float16)
+    group_scales = np.minimum(127, _nearest_int(iscale[:, None] * scales)).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * group_scales.astype(np.float32)  # (blocks, groups)
+    quantized = np.clip(_nearest_int(x / np.where(step == 0, f32(1), step)[:, :, None]), -32, 31) + 32
+    levels = np.where((step != 0)[:, :, None], quantized, levels).reshape(blocks, QK_K).astype(np.uint8)
+    out = np.zeros((blocks, Q6_K_BYTES), np.uint8)
+    for half in range(2):  # each 128 values: ql 64 bytes, qh 32 bytes
+        part = levels[:, 128 * half : 128 * (half + 1)].reshape(blocks, 4, 32)
+        out[:, 64 * half : 64 * half + 32] = (part[:, 0] & 0xF) | ((part[:, 2] & 0xF) << 4)
+        out[:, 64 * half + 32 : 64 * half + 64] = (part[:, 1] & 0xF) | ((part[:, 3] & 0xF) << 4)
+        out[:, 128 + 32 * half : 128 + 32 * (half + 1)] = (part[:, 0] >> 4) | ((part[:, 1] >> 4) << 2) | \
+            ((part[:, 2] >> 4) << 4) | ((part[:, 3] >> 4) << 6)
+    out[:, 192:208] = np.where(empty[:, None], 0, group_scales).astype(np.int8).view(np.uint8)
+    out[:, 208:210] = d.reshape(-1, 1).view(np.uint8)
+    out[empty, :208] = 0
+    return out.reshape(-1)
+
+
+def q6_k_steps(blocks: Any) -> Any:
+    """Each 16-value group's quantization step, ``d * scale``, of Q6_K blocks."""
+    import numpy as np
+
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, Q6_K_BYTES)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return np.abs(d * blocks[:, 192:208].copy().view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def _nearest_int(values: Any) -> Any:
+    """ggml's ``nearest_int``, its very bits: 1.5 * 2^23 added in float32 (rounding half to
+    even) and the low mantissa bits read as the integer; so that Inf and NaN give what the
+    reference gives too."""
+    import numpy as np
+
+    shifted = (np.asarray(values, np.float32) + np.float32(12582912.0)).view(np.int32)
+    return (shifted & 0x007FFFFF) - 0x00400000
+
+
+def _first_largest(magnitudes: Any) -> Any:
+    """The index of each row's largest value, the first of equals, NaN never (the reference's
+    ``if (ax > amax)`` is false for NaN)."""
+    import numpy as np
+
+    return np.where(np.isnan(magnitudes), -1, magnitudes).argmax(axis=1)
+
+
+def _make_qx_quants(x: Any, nmax: int) -> tuple[Any, Any]:
+    """``make_qx_quants(16, nmax, x, L, rmse_type=1, NULL)`` for each row of ``x`` (groups of
+    16): each group's scale (float32) and levels (``l + nmax``), the search over 19
+    candidate scales run as the reference runs it."""
+    import numpy as np
+
+    f32 = np.float32
+    groups, n = x.shape
+    first = _first_largest(np.abs(x))
+    biggest = x[np.arange(groups), first]
+    empty = np.abs(biggest) < f32(_GROUP_MAX_EPS)
+    safe = np.where(empty, f32(1), biggest)
+    weights = x * x
+
+    def attempt(iscale):
+        levels = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+        as_float = levels.astype(np.float32)
+        sumlx = np.zeros(groups, np.float32)
+        suml2 = np.zeros(groups, np.float32)
+        for i in range(n):  # value by value, as the C loop adds
+            sumlx = sumlx + weights[:, i] * x[:, i] * as_float[:, i]
+            suml2 = suml2 + weights[:, i] * as_float[:, i] * as_float[:, i]
+        return levels, sumlx, suml2
+
+    levels, sumlx, suml2 = attempt(f32(-nmax) / safe)
+    scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, f32(1)), f32(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        tried, sumlx, suml2 = attempt(-(f32(nmax) + f32(0.1) * f32(step)) / safe)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        levels = np.where(better[:, None], tried, levels)
+        scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, f32(1)), scale)
+        best = np.where(better, scale * sumlx, best)
+    levels = np.where(empty[:, None], 0, levels + nmax)
+    return np.where(empty, f32(0), scale), levels
