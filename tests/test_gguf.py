@@ -378,11 +378,22 @@ def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, 
     assert np.asarray(scaled.data).tobytes() == twice.tobytes()
     assert "requantized to Q8_0: 1 tensor, within" in result.stderr and "bit-exact" not in result.stderr
     assert tensors["blk.1.q4_0.weight"].tensor_type == Q.Q4_0  # (not edited: its blocks as they were)
-    lossy = cli("edit", model, "-o", tmp_path / "k.gguf", "--scale", "blk.1.q4_k.weight=2")
-    assert lossy.code == 0, lossy.stderr
+    k_quant = cli("edit", model, "-o", tmp_path / "k.gguf", "--scale", "blk.1.q4_k.weight=2")
+    assert k_quant.code == 0 and "requantized to Q4_K: 1 tensor" in k_quant.stderr, k_quant.stderr
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors}
-    assert tensors["blk.1.q4_k.weight"].tensor_type == Q.F32
-    assert "1 tensor stored Q4_K is written F32: treecli does not write Q4_K yet" in lossy.stderr
+    assert tensors["blk.1.q4_k.weight"].tensor_type == Q.Q4_K
+    q5_k = tmp_path / "q5_k.gguf"  # (a type treecli does not write yet)
+    writer = gguf.GGUFWriter(str(q5_k), "llama")
+    data = random_blocks(Q.Q5_K, 2, 1, np.random.default_rng(0))
+    writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=Q.Q5_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    lossy = cli("edit", q5_k, "-o", tmp_path / "f32.gguf", "--scale", "w=2")
+    assert lossy.code == 0, lossy.stderr
+    assert next(iter(gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors)).tensor_type == Q.F32
+    assert "1 tensor stored Q5_K is written F32: treecli does not write Q5_K yet" in lossy.stderr
 
 
 def test_an_average_of_quantized_tensors_stays_quantized_and_a_copy_keeps_its_blocks(cli, model, tmp_path):

@@ -19,9 +19,11 @@ from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 GOLDEN = np.load(Path(__file__).parent / "data" / "kquants" / "golden.npz")
 
 
-def test_q6_k_blocks_are_the_reference_quantizer_s_byte_for_byte():
+@pytest.mark.parametrize("kind", ["q6_k", "q4_k"])
+def test_k_quant_blocks_are_the_reference_quantizer_s_byte_for_byte(kind):
+    quantize = getattr(_kquants, f"quantize_{kind}")
     for row, values in enumerate(GOLDEN["inputs"]):
-        assert _kquants.quantize_q6_k(values).tobytes() == GOLDEN["q6_k"][row].tobytes(), row
+        assert quantize(values).tobytes() == GOLDEN[kind][row].tobytes(), row
 
 
 def test_q6_k_blocks_read_back_within_half_a_step():
@@ -30,16 +32,21 @@ def test_q6_k_blocks_read_back_within_half_a_step():
     back = quants.dequantize(blocks.reshape(1, -1), Q.Q6_K).reshape(-1)
     steps = np.repeat(_kquants.q6_k_steps(blocks), 16)
     assert np.all(np.abs(back - values) <= steps * 0.5 + 1e-7)
+    blocks = _kquants.quantize_q4_k(values)  # (with a min: within a step, the min's own rounding aside)
+    back = quants.dequantize(blocks.reshape(1, -1), Q.Q4_K).reshape(-1)
+    assert np.all(np.abs(back - values) <= np.repeat(_kquants.q4_k_steps(blocks), 32) * 1.5)
 
 
-def test_convert_writes_q6_k_and_falls_back_to_q8_0_as_llama_cpp_does(cli, tmp_path):
+@pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q4_k", "Q5_0")])
+def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path, kind, fallback):
     rng = np.random.default_rng(0)
     wide, narrow = rng.standard_normal((4, 512)).astype(np.float32), rng.standard_normal((4, 64)).astype(np.float32)
     save_file({"wide": wide, "narrow": narrow, "bias": np.ones(4, np.float32)}, str(tmp_path / "m.safetensors"))
-    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", "q6_k")
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", kind)
     assert result.code == 0, result.stderr
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
-    assert tensors["wide"].tensor_type == Q.Q6_K and tensors["narrow"].tensor_type == Q.Q8_0
+    assert tensors["wide"].tensor_type == Q[kind.upper()] and tensors["narrow"].tensor_type == Q[fallback]
     assert tensors["bias"].tensor_type == Q.F32
-    assert np.asarray(tensors["wide"].data).tobytes() == _kquants.quantize_q6_k(wide).tobytes()
-    assert "1 tensor quantized to Q6_K is within" in result.stderr and "1 tensor quantized to Q8_0" in result.stderr
+    assert np.asarray(tensors["wide"].data).tobytes() == getattr(_kquants, f"quantize_{kind}")(wide).tobytes()
+    assert f"1 tensor quantized to {kind.upper()} is within" in result.stderr
+    assert f"1 tensor quantized to {fallback} is within" in result.stderr

@@ -28,8 +28,8 @@ def convert(
     list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
     format: opt.OutputFormatOpt = None,
     dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q6_k, q5_1, "
-                            "q5_0, q4_1 or q4_0 quantizes the weights (2-D leaves of whole blocks; Q6_K rows "
-                            "short of 256 fall back to Q8_0, as llama.cpp's).") = None,
+                            "q5_0, q4_k, q4_1 or q4_0 quantizes the weights (2-D leaves of whole blocks; rows "
+                            "short of a K-quant's 256 fall back as llama.cpp's do).") = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,

@@ -1,5 +1,6 @@
 """llama.cpp's K-quants, written as its reference quantizer writes them (``ggml-quants.c``'s
-``quantize_row_q6_K_ref``, no importance matrix): every block byte for byte, checked
+``quantize_row_q6_K_ref`` and ``quantize_row_q4_K_ref``, no importance matrix): every
+block byte for byte, checked
 against blocks the C reference made (``tests/data/kquants/``, and the script that made
 them).
 
@@ -15,6 +16,7 @@ from typing import Any
 
 QK_K = 256  # values in a K-quant super-block
 Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (float16)
+Q4_K_BYTES = 144  # d, dmin (float16), scales[12] (6-bit scales and mins), qs[128]
 _GROUP_MAX_EPS = 1e-15
 
 
@@ -123,3 +125,125 @@ def _make_qx_quants(x: Any, nmax: int) -> tuple[Any, Any]:
         best = np.where(better, scale * sumlx, best)
     levels = np.where(empty[:, None], 0, levels + nmax)
     return np.where(empty, f32(0), scale), levels
+
+
+def quantize_q4_k(data: Any) -> Any:
+    """``data`` (float32, a multiple of 256 values) as Q4_K blocks (uint8, 144 bytes per 256
+    values): eight groups of 32, each a 4-bit level with a 6-bit scale and min."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        return _q4_k(np.ascontiguousarray(data, np.float32))
+
+
+def _q4_k(data: Any) -> Any:
+    import numpy as np
+
+    f32 = np.float32
+    x = data.reshape(-1, 8, 32)
+    blocks = x.shape[0]
+    groups = x.reshape(-1, 32)
+    sum_x2 = np.zeros(groups.shape[0], np.float32)
+    for i in range(32):
+        sum_x2 = sum_x2 + groups[:, i] * groups[:, i]
+    weights = np.sqrt(sum_x2 / f32(32))[:, None] + np.abs(groups)
+    scales, mins, levels = _make_qkx2_quants(groups, weights, 15, f32(-1), f32(0.1), 20)
+    scales, mins = scales.reshape(blocks, 8), mins.reshape(blocks, 8)
+    levels = levels.reshape(blocks, 8, 32)
+    max_scale = np.maximum(scales.max(axis=1), f32(0))  # (the C loop keeps the largest above 0)
+    max_min = np.maximum(mins.max(axis=1), f32(0))
+    inv_scale = np.where(max_scale > 0, f32(63) / np.where(max_scale > 0, max_scale, f32(1)), f32(0))
+    inv_min = np.where(max_min > 0, f32(63) / np.where(max_min > 0, max_min, f32(1)), f32(0))
+    # (uint8_t ls = nearest_int(...): the int's low byte, then at most 63)
+    ls = np.minimum(63, _nearest_int(inv_scale[:, None] * scales) & 0xFF)
+    lm = np.minimum(63, _nearest_int(inv_min[:, None] * mins) & 0xFF)
+    packed = np.zeros((blocks, 12), np.int32)
+    packed[:, 0:4] = ls[:, 0:4]
+    packed[:, 4:8] = lm[:, 0:4]
+    packed[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    packed[:, 0:4] |= (ls[:, 4:8] >> 4) << 6
+    packed[:, 4:8] |= (lm[:, 4:8] >> 4) << 6
+    d = (max_scale / f32(63)).astype(np.float16)
+    dmin = (max_min / f32(63)).astype(np.float16)
+    step = d.astype(np.float32)[:, None] * ls.astype(np.float32)
+    shift = dmin.astype(np.float32)[:, None] * lm.astype(np.float32)
+    quantized = np.clip(_nearest_int((x + shift[:, :, None]) / np.where(step == 0, f32(1), step)[:, :, None]), 0, 15)
+    levels = np.where((step != 0)[:, :, None], quantized, levels).reshape(blocks, 256)
+    out = np.zeros((blocks, Q4_K_BYTES), np.uint8)
+    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = dmin.reshape(-1, 1).view(np.uint8)
+    out[:, 4:16] = packed.astype(np.uint8)
+    for chunk in range(4):  # each 64 values: 32 bytes, the first 32 in the low nibbles
+        part = levels[:, 64 * chunk : 64 * (chunk + 1)]
+        out[:, 16 + 32 * chunk : 16 + 32 * (chunk + 1)] = part[:, :32] | (part[:, 32:] << 4)
+    return out.reshape(-1)
+
+
+def q4_k_steps(blocks: Any) -> Any:
+    """Each 32-value group's quantization step, ``d * scale``, of Q4_K blocks."""
+    import numpy as np
+
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, Q4_K_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 4:16].astype(np.int32)
+    scales = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+    return np.abs(d * scales.astype(np.float32)).reshape(-1)
+
+
+def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, nstep: int
+                      ) -> tuple[Any, Any, Any]:
+    """``make_qkx2_quants(32, nmax, x, weights, L, &min, Laux, rmin, rdelta, nstep, false)`` for
+    each row of ``x``: its scale, its min (as the reference returns it: ``-min``) and levels."""
+    import numpy as np
+
+    f32 = np.float32
+    groups, n = x.shape
+    low, high = x[:, 0].copy(), x[:, 0].copy()
+    sum_w = weights[:, 0].copy()
+    sum_x = sum_w * x[:, 0]
+    for i in range(1, n):  # value by value, as the reference
+        low = np.where(x[:, i] < low, x[:, i], low)
+        high = np.where(x[:, i] > high, x[:, i], high)
+        sum_w = sum_w + weights[:, i]
+        sum_x = sum_x + weights[:, i] * x[:, i]
+    low = np.where(low > 0, f32(0), low)
+    flat = high == low
+    span = np.where(flat, f32(1), high - low)
+    iscale = f32(nmax) / span
+    scale = f32(1) / iscale
+    levels = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
+    best = np.zeros(groups, np.float32)
+    for i in range(n):
+        diff = scale * levels[:, i].astype(np.float32) + low - x[:, i]
+        best = best + weights[:, i] * (diff * diff)
+    for step in range(nstep + 1):  # (``min`` moves as better fits are found: so does ``max - min``)
+        iscale = (rmin + rdelta * f32(step) + f32(nmax)) / np.where(flat, f32(1), high - low)
+        tried = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
+        as_float = tried.astype(np.float32)
+        sum_l = np.zeros(groups, np.float32)
+        sum_l2 = np.zeros(groups, np.float32)
+        sum_xl = np.zeros(groups, np.float32)
+        for i in range(n):
+            w, level = weights[:, i], as_float[:, i]
+            sum_l = sum_l + w * level
+            sum_l2 = sum_l2 + w * level * level
+            sum_xl = sum_xl + w * level * x[:, i]
+        determinant = sum_w * sum_l2 - sum_l * sum_l
+        solvable = determinant > 0
+        safe = np.where(solvable, determinant, f32(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        clamped = this_min > 0
+        this_min = np.where(clamped, f32(0), this_min)
+        this_scale = np.where(clamped, sum_xl / np.where(sum_l2 != 0, sum_l2, f32(1)), this_scale)
+        error = np.zeros(groups, np.float32)
+        for i in range(n):
+            diff = this_scale * as_float[:, i] + this_min - x[:, i]
+            error = error + weights[:, i] * (diff * diff)
+        better = solvable & (error < best)
+        levels = np.where(better[:, None], tried, levels)
+        best = np.where(better, error, best)
+        scale = np.where(better, this_scale, scale)
+        low = np.where(better, this_min, low)
+    levels = np.where(flat[:, None], 0, levels)
+    return np.where(flat, f32(0), scale), -low, levels

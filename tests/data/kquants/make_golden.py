@@ -30,7 +30,8 @@ size_t ggml_row_size(int type, long ne) { abort(); }
 const char * ggml_type_name(int type) { return "?"; }
 size_t ggml_type_size(int type) { abort(); }
 """
-TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210)}  # the reference's function, bytes per 256 values
+# the reference's function, bytes per 256 values
+TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210), "q4_k": ("quantize_row_q4_K_ref", 144)}
 
 
 def inputs() -> np.ndarray:
