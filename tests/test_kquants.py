@@ -50,3 +50,37 @@ def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path,
     assert np.asarray(tensors["wide"].data).tobytes() == getattr(_kquants, f"quantize_{kind}")(wide).tobytes()
     assert f"1 tensor quantized to {kind.upper()} is within" in result.stderr
     assert f"1 tensor quantized to {fallback} is within" in result.stderr
+
+
+def _use_more_bits(i, n):  # llama-quant.cpp's, written out
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def test_q4_k_m_picks_each_tensor_s_type_as_llama_cpp_s_quantizer_does(cli, tmp_path):
+    """Q4_K_M: Q4_K, with Q6_K for attn_v and ffn_down in the layers llama.cpp gives more
+    bits (use_more_bits) and for output.weight; 1-D tensors F32; rows short of 256 falling back."""
+    rng = np.random.default_rng(0)
+    layers, tensors = 16, {}
+    for i in range(layers):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            tensors[f"blk.{i}.{name}.weight"] = rng.standard_normal((2, 256)).astype(np.float32)
+        tensors[f"blk.{i}.attn_norm.weight"] = np.ones(256, np.float32)
+    tensors["token_embd.weight"] = rng.standard_normal((4, 256)).astype(np.float32)
+    tensors["output.weight"] = rng.standard_normal((4, 256)).astype(np.float32)
+    tensors["narrow.weight"] = rng.standard_normal((4, 64)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", "q4_k_m")
+    assert result.code == 0, result.stderr
+    got = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    for i in range(layers):
+        more = Q.Q6_K if _use_more_bits(i, layers) else Q.Q4_K
+        assert got[f"blk.{i}.attn_v.weight"] == more and got[f"blk.{i}.ffn_down.weight"] == more, i
+        assert got[f"blk.{i}.attn_q.weight"] == Q.Q4_K and got[f"blk.{i}.attn_norm.weight"] == Q.F32
+    assert got["output.weight"] == Q.Q6_K and got["token_embd.weight"] == Q.Q4_K
+    assert got["narrow.weight"] == Q.Q5_0  # (Q4_K's fallback)
+    # tied embeddings (no output.weight): token_embd.weight takes output's Q6_K
+    del tensors["output.weight"]
+    save_file(tensors, str(tmp_path / "tied.safetensors"))
+    assert cli("convert", tmp_path / "tied.safetensors", tmp_path / "tied.gguf", "--dtype", "q4_k_m").code == 0
+    got = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "tied.gguf")).tensors}
+    assert got["token_embd.weight"] == Q.Q6_K

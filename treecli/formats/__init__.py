@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
-# What a GGUF output can quantize float leaves to (``convert --dtype``; the gguf package quantizes these).
-from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS as GGUF_QUANTIZATIONS
+from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS
+from treecli.formats._mixes import MIXES
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
 
@@ -48,9 +48,16 @@ def get(name: str) -> Format:
 
 
 
+# What a GGUF output quantizes float leaves to (``convert --dtype``): the types treecli
+# writes, and llama.cpp's mixes of them.
+GGUF_QUANTIZATIONS = WRITTEN_QUANTIZATIONS + MIXES
+
+
 def quantized(tree: Any, kind: str) -> Any:
-    """``tree`` with each float leaf quantized to ``kind`` (one of ``GGUF_QUANTIZATIONS``)
-    where llama.cpp would quantize it (two or more dimensions, rows of whole blocks), the
+    """``tree`` with each float leaf quantized as llama.cpp's quantizer quantizes it under
+    ``kind`` (one of ``GGUF_QUANTIZATIONS``: a type, or a mix such as ``q4_k_m`` that picks
+    each tensor's type by its llama.cpp name and layer, ``_mixes``) where it would
+    quantize it (two or more dimensions, rows of whole blocks or a fallback type's), the
     rest as it is: written quantized into a GGUF output, and read as the values a GGUF
     reader gets back (quantized, then dequantized) anywhere.
 
@@ -58,15 +65,18 @@ def quantized(tree: Any, kind: str) -> Any:
         UsageError: a kind GGUF's writer does not quantize to.
     """
     from treecli import _dtypes, _leaf
-    from treecli.formats import gguf
+    from treecli.formats import _mixes, gguf
 
-    if kind.lower() not in GGUF_QUANTIZATIONS:
+    kind = kind.lower()
+    if kind not in GGUF_QUANTIZATIONS:
         raise UsageError(f"cannot quantize to {kind!r}; choose one of {', '.join(GGUF_QUANTIZATIONS)}")
+    names = [".".join(map(str, keypath)) for keypath, _ in _tree.flatten(tree)]
+    choose = _mixes.chooser(names, kind)
 
-    def leaf(_kp: tuple, x: Any) -> Any:
+    def leaf(keypath: tuple, x: Any) -> Any:
         if not _leaf.is_array(x) or not _dtypes.is_float(_leaf.as_leaf(x).dtype_name):
             return x
-        return gguf.quantizing(_leaf.as_leaf(x), kind.lower())
+        return gguf.quantizing(_leaf.as_leaf(x), choose(".".join(map(str, keypath))))
 
     return _tree.map_leaves(leaf, tree)
 

@@ -41,7 +41,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "special_tokens_map.json")
 # general.file_type by the dtype of most of the weights' bytes (llama.cpp's LlamaFileType)
 _FILE_TYPES = {"float32": "ALL_F32", "float16": "MOSTLY_F16", "bfloat16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-               "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1"}
+               "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
+               "Q6_K": "MOSTLY_Q6_K", "Q4_K": "MOSTLY_Q4_K_M"}
 
 
 class LlamaCpp:
