@@ -84,3 +84,13 @@ def test_q4_k_m_picks_each_tensor_s_type_as_llama_cpp_s_quantizer_does(cli, tmp_
     assert cli("convert", tmp_path / "tied.safetensors", tmp_path / "tied.gguf", "--dtype", "q4_k_m").code == 0
     got = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "tied.gguf")).tensors}
     assert got["token_embd.weight"] == Q.Q6_K
+
+
+def test_blocks_made_on_every_core_are_the_blocks_made_on_one(monkeypatch):
+    import os
+
+    values = np.random.default_rng(1).standard_normal(256 * 2048).astype(np.float32)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    parallel = _kquants.quantize_q6_k(values)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert parallel.tobytes() == _kquants.quantize_q6_k(values).tobytes()

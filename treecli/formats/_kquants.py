@@ -24,10 +24,28 @@ def quantize_q6_k(data: Any) -> Any:
     """``data`` (float32, a multiple of 256 values, row by row) as Q6_K blocks (uint8,
     210 bytes per 256 values). Inf and NaN go through as the reference's arithmetic takes
     them, without floating-point warnings."""
+    return _on_every_core(_q6_k, data)
+
+
+def _on_every_core(quantize: Any, data: Any) -> Any:
+    """``quantize`` of ``data``'s super-blocks, split between threads (one a core: NumPy lets
+    go of the GIL), the blocks joined in order: each super-block is quantized alone."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
-    with np.errstate(all="ignore"):
-        return _q6_k(np.ascontiguousarray(data, np.float32))
+    flat = np.ascontiguousarray(data, np.float32).reshape(-1, QK_K)
+    parts = max(1, min(os.cpu_count() or 1, flat.shape[0] // 1024))  # (a thread for 256K values at least)
+
+    def run(part: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return quantize(part)
+
+    if parts == 1:
+        return run(flat)
+    with ThreadPoolExecutor(parts) as pool:
+        return np.concatenate(list(pool.map(run, np.array_split(flat, parts))))
 
 
 def _q6_k(data: Any) -> Any:
@@ -80,6 +98,14 @@ def _nearest_int(values: Any) -> Any:
     return (shifted & 0x007FFFFF) - 0x00400000
 
 
+def _sequential_sum(terms: Any) -> Any:
+    """Each row's sum added term by term from the first, as the reference's loops add
+    (``np.add.accumulate`` adds in order; a reduction would add pairwise, rounding otherwise)."""
+    import numpy as np
+
+    return np.add.accumulate(terms, axis=1, dtype=np.float32)[:, -1]
+
+
 def _first_largest(magnitudes: Any) -> Any:
     """The index of each row's largest value, the first of equals, NaN never (the reference's
     ``if (ax > amax)`` is false for NaN)."""
@@ -105,12 +131,7 @@ def _make_qx_quants(x: Any, nmax: int) -> tuple[Any, Any]:
     def attempt(iscale):
         levels = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
         as_float = levels.astype(np.float32)
-        sumlx = np.zeros(groups, np.float32)
-        suml2 = np.zeros(groups, np.float32)
-        for i in range(n):  # value by value, as the C loop adds
-            sumlx = sumlx + weights[:, i] * x[:, i] * as_float[:, i]
-            suml2 = suml2 + weights[:, i] * as_float[:, i] * as_float[:, i]
-        return levels, sumlx, suml2
+        return levels, _sequential_sum(weights * x * as_float), _sequential_sum(weights * as_float * as_float)
 
     levels, sumlx, suml2 = attempt(f32(-nmax) / safe)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, f32(1)), f32(0))
@@ -130,10 +151,7 @@ def _make_qx_quants(x: Any, nmax: int) -> tuple[Any, Any]:
 def quantize_q4_k(data: Any) -> Any:
     """``data`` (float32, a multiple of 256 values) as Q4_K blocks (uint8, 144 bytes per 256
     values): eight groups of 32, each a 4-bit level with a 6-bit scale and min."""
-    import numpy as np
-
-    with np.errstate(all="ignore"):
-        return _q4_k(np.ascontiguousarray(data, np.float32))
+    return _on_every_core(_q4_k, data)
 
 
 def _q4_k(data: Any) -> Any:
@@ -143,10 +161,7 @@ def _q4_k(data: Any) -> Any:
     x = data.reshape(-1, 8, 32)
     blocks = x.shape[0]
     groups = x.reshape(-1, 32)
-    sum_x2 = np.zeros(groups.shape[0], np.float32)
-    for i in range(32):
-        sum_x2 = sum_x2 + groups[:, i] * groups[:, i]
-    weights = np.sqrt(sum_x2 / f32(32))[:, None] + np.abs(groups)
+    weights = np.sqrt(_sequential_sum(groups * groups) / f32(32))[:, None] + np.abs(groups)
     scales, mins, levels = _make_qkx2_quants(groups, weights, 15, f32(-1), f32(0.1), 20)
     scales, mins = scales.reshape(blocks, 8), mins.reshape(blocks, 8)
     levels = levels.reshape(blocks, 8, 32)
@@ -199,35 +214,26 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
     f32 = np.float32
     groups, n = x.shape
     low, high = x[:, 0].copy(), x[:, 0].copy()
-    sum_w = weights[:, 0].copy()
-    sum_x = sum_w * x[:, 0]
-    for i in range(1, n):  # value by value, as the reference
+    for i in range(1, n):  # (as the reference compares: a NaN never becomes the min or max)
         low = np.where(x[:, i] < low, x[:, i], low)
         high = np.where(x[:, i] > high, x[:, i], high)
-        sum_w = sum_w + weights[:, i]
-        sum_x = sum_x + weights[:, i] * x[:, i]
+    sum_w = _sequential_sum(weights)
+    sum_x = _sequential_sum(weights * x)
     low = np.where(low > 0, f32(0), low)
     flat = high == low
     span = np.where(flat, f32(1), high - low)
     iscale = f32(nmax) / span
     scale = f32(1) / iscale
     levels = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
-    best = np.zeros(groups, np.float32)
-    for i in range(n):
-        diff = scale * levels[:, i].astype(np.float32) + low - x[:, i]
-        best = best + weights[:, i] * (diff * diff)
+    diff = scale[:, None] * levels.astype(np.float32) + low[:, None] - x
+    best = _sequential_sum(weights * (diff * diff))
     for step in range(nstep + 1):  # (``min`` moves as better fits are found: so does ``max - min``)
         iscale = (rmin + rdelta * f32(step) + f32(nmax)) / np.where(flat, f32(1), high - low)
         tried = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
         as_float = tried.astype(np.float32)
-        sum_l = np.zeros(groups, np.float32)
-        sum_l2 = np.zeros(groups, np.float32)
-        sum_xl = np.zeros(groups, np.float32)
-        for i in range(n):
-            w, level = weights[:, i], as_float[:, i]
-            sum_l = sum_l + w * level
-            sum_l2 = sum_l2 + w * level * level
-            sum_xl = sum_xl + w * level * x[:, i]
+        weighted = weights * as_float
+        sum_l, sum_l2, sum_xl = (_sequential_sum(weighted), _sequential_sum(weighted * as_float),
+                                 _sequential_sum(weighted * x))
         determinant = sum_w * sum_l2 - sum_l * sum_l
         solvable = determinant > 0
         safe = np.where(solvable, determinant, f32(1))
@@ -236,10 +242,8 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
         clamped = this_min > 0
         this_min = np.where(clamped, f32(0), this_min)
         this_scale = np.where(clamped, sum_xl / np.where(sum_l2 != 0, sum_l2, f32(1)), this_scale)
-        error = np.zeros(groups, np.float32)
-        for i in range(n):
-            diff = this_scale * as_float[:, i] + this_min - x[:, i]
-            error = error + weights[:, i] * (diff * diff)
+        diff = this_scale[:, None] * as_float + this_min[:, None] - x
+        error = _sequential_sum(weights * (diff * diff))
         better = solvable & (error < best)
         levels = np.where(better[:, None], tried, levels)
         best = np.where(better, error, best)
