@@ -27,25 +27,29 @@ def quantize_q6_k(data: Any) -> Any:
     return _on_every_core(_q6_k, data)
 
 
+_PART = 1024  # super-blocks quantized at once: 256K values, their temporaries a few MiB
+
+
 def _on_every_core(quantize: Any, data: Any) -> Any:
-    """``quantize`` of ``data``'s super-blocks, split between threads (one a core: NumPy lets
-    go of the GIL), the blocks joined in order: each super-block is quantized alone."""
+    """``quantize`` of ``data``'s super-blocks, a part of 256K values at a time (the
+    temporaries of a whole embedding would take gigabytes) on every core (NumPy lets go of
+    the GIL), the blocks joined in order: each super-block is quantized alone."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     flat = np.ascontiguousarray(data, np.float32).reshape(-1, QK_K)
-    parts = max(1, min(os.cpu_count() or 1, flat.shape[0] // 1024))  # (a thread for 256K values at least)
+    parts = [flat[start : start + _PART] for start in range(0, flat.shape[0], _PART)]
 
     def run(part: Any) -> Any:
         with np.errstate(all="ignore"):
             return quantize(part)
 
-    if parts == 1:
+    if len(parts) == 1:
         return run(flat)
-    with ThreadPoolExecutor(parts) as pool:
-        return np.concatenate(list(pool.map(run, np.array_split(flat, parts))))
+    with ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1)) as pool:
+        return np.concatenate(list(pool.map(run, parts)))
 
 
 def _q6_k(data: Any) -> Any:

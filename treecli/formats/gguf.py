@@ -366,6 +366,25 @@ def unrequantized(tree: Any) -> dict[tuple[str, str], int]:
     return found
 
 
+def _largest_error(data: Any, blocks: Any, kind: Any, step: Any, group: int) -> tuple[float, float]:
+    """The largest error of quantized ``blocks`` against ``data``, in steps and in value,
+    ``group`` values sharing a step; read back a few rows at a time (a whole embedding's
+    float copies would take gigabytes)."""
+    import numpy as np
+    from gguf import quants
+
+    rows = max(1, (1 << 18) // data.shape[1])
+    in_steps = in_value = 0.0
+    for start in range(0, data.shape[0], rows):
+        part = data[start : start + rows]
+        error = np.abs(quants.dequantize(blocks[start : start + rows], kind) - part).reshape(-1, group).max(axis=1)
+        scale = step[start : start + rows].reshape(-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.where(scale > 0, error / scale, 0.0)
+        in_steps, in_value = max(in_steps, float(steps.max(initial=0.0))), max(in_value, float(error.max(initial=0.0)))
+    return in_steps, in_value
+
+
 class _Quantizing(QuantizedLeaf):
     """A float leaf quantized when written (its blocks computed whole, once per pass over
     them) and read back as its blocks dequantized: a verified output compares equal."""
@@ -402,10 +421,7 @@ class _Quantizing(QuantizedLeaf):
             blocks = quants.quantize(data, kind)
             step, group = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(
                 np.float32))[:, 0], self._block
-        error = np.abs(quants.dequantize(blocks, kind) - data).reshape(-1, group).max(axis=1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            steps = np.where(step > 0, error / step, 0.0)
-        self.error = (float(steps.max(initial=0.0)), float(error.max(initial=0.0)))
+        self.error = _largest_error(data, blocks, kind, step.reshape(data.shape[0], -1), group)
         return blocks.reshape(-1)
 
     def read_raw(self, start: int, stop: int):
