@@ -1,13 +1,12 @@
-"""llama.cpp's K-quants, written as its reference quantizer writes them (``ggml-quants.c``'s
+"""llama.cpp's K-quants, written as its reference quantizers write them (``ggml-quants.c``'s
 ``quantize_row_q6_K_ref`` and ``quantize_row_q4_K_ref``, no importance matrix): every
-block byte for byte, checked
-against blocks the C reference made (``tests/data/kquants/``, and the script that made
-them).
+block byte for byte, checked against blocks the C reference made
+(``tests/data/kquants/``, and the script that made them).
 
-The reference works one 16-value group at a time in float32; here the same float32
-operations run on every group of a tensor at once, in the reference's order (sums
-accumulated value by value, never pairwise; ``nearest_int`` is float32 round-half-even),
-so that the bits agree.
+The reference works one group of 16 or 32 values at a time in float32; here the same
+float32 operations run on every group of a part of a tensor at once, in the reference's
+order (sums added term by term, never pairwise; ``nearest_int``'s own bit trick), so that
+the bits agree.
 """
 
 from __future__ import annotations
