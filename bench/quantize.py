@@ -1,11 +1,11 @@
-"""Benchmark: Q4_K_M of an HF Llama (--gib of bf16 weights) by treecli beside llama.cpp's
+"""Benchmark: Q4_K_M (or --mix q5_k_m) of an HF Llama (--gib of bf16 weights) by treecli beside llama.cpp's
 own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs, from a Python that
 has llama-cpp-python: --llama-cpp-python PYTHON), both on the same bf16 GGUF and with
 the same threads, each a whole process, medians of --runs, with each process's peak RSS.
 Then the two files are compared tensor by tensor: each tensor's type (the mix) and its
 blocks, byte for byte.
 
-    python bench/quantize.py --llama-cpp-python /tmp/llcpp/bin/python [--gib 0.25] [--runs 1]
+    python bench/quantize.py --llama-cpp-python /tmp/llcpp/bin/python [--mix q5_k_m] [--gib 0.25] [--runs 1]
 
 Needs sentencepiece (the model's tokenizer is trained here, by bench/hf_to_gguf.py).
 """
@@ -29,7 +29,7 @@ TREECLI = [sys.executable, "-m", "treecli"]
 QUANTIZE = r"""
 import sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[4].upper())
 params.nthread = int(sys.argv[3])
 if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) != 0:
     raise SystemExit("llama_model_quantize failed")
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp-python", required=True, help="a Python with llama-cpp-python")
     parser.add_argument("--gib", type=float, default=0.25)
+    parser.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m"])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
@@ -71,16 +72,17 @@ def main() -> None:
         subprocess.run(TREECLI + ["convert", str(model), str(source), "--recipe", "llama.cpp", "-q"], check=True)
         commands = {
             "llama_model_quantize": [args.llama_cpp_python, "-c", QUANTIZE, str(source), str(work / "reference.gguf"),
-                                     str(threads)],
-            "treecli (verified)": TREECLI + ["convert", str(source), str(work / "ours.gguf"), "--dtype", "q4_k_m",
+                                     str(threads), args.mix],
+            "treecli (verified)": TREECLI + ["convert", str(source), str(work / "ours.gguf"), "--dtype", args.mix,
                                              "--force", "-q"],
-            "treecli --no-verify": TREECLI + ["convert", str(source), str(work / "ours.gguf"), "--dtype", "q4_k_m",
+            "treecli --no-verify": TREECLI + ["convert", str(source), str(work / "ours.gguf"), "--dtype", args.mix,
                                               "--force", "-q", "--no-verify"],
         }
         results = {name: [timed(command) for _ in range(args.runs)] for name, command in commands.items()}
         base = statistics.median(s for s, _ in results["llama_model_quantize"])
         size = source.stat().st_size
-        print(f"Q4_K_M of a {size / (1 << 30):.2f} GiB bf16 GGUF, {threads} threads, medians of {args.runs} runs")
+        print(f"{args.mix.upper()} of a {size / (1 << 30):.2f} GiB bf16 GGUF, {threads} threads, medians of "
+              f"{args.runs} runs")
         print(f"{'':24} {'seconds':>8} {'x reference':>12} {'peak RSS':>10}")
         for name, runs in results.items():
             seconds = statistics.median(s for s, _ in runs)

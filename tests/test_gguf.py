@@ -382,18 +382,18 @@ def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, 
     assert k_quant.code == 0 and "requantized to Q4_K: 1 tensor" in k_quant.stderr, k_quant.stderr
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors}
     assert tensors["blk.1.q4_k.weight"].tensor_type == Q.Q4_K
-    q5_k = tmp_path / "q5_k.gguf"  # (a type treecli does not write yet)
-    writer = gguf.GGUFWriter(str(q5_k), "llama")
-    data = random_blocks(Q.Q5_K, 2, 1, np.random.default_rng(0))
-    writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=Q.Q5_K)
+    q3_k = tmp_path / "q3_k.gguf"  # (a type treecli does not write yet)
+    writer = gguf.GGUFWriter(str(q3_k), "llama")
+    data = random_blocks(Q.Q3_K, 2, 1, np.random.default_rng(0))
+    writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=Q.Q3_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    lossy = cli("edit", q5_k, "-o", tmp_path / "f32.gguf", "--scale", "w=2")
+    lossy = cli("edit", q3_k, "-o", tmp_path / "f32.gguf", "--scale", "w=2")
     assert lossy.code == 0, lossy.stderr
     assert next(iter(gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors)).tensor_type == Q.F32
-    assert "1 tensor stored Q5_K is written F32: treecli does not write Q5_K yet" in lossy.stderr
+    assert "1 tensor stored Q3_K is written F32: treecli does not write Q3_K yet" in lossy.stderr
 
 
 def test_an_average_of_quantized_tensors_stays_quantized_and_a_copy_keeps_its_blocks(cli, model, tmp_path):

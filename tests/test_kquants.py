@@ -19,7 +19,7 @@ from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 GOLDEN = np.load(Path(__file__).parent / "data" / "kquants" / "golden.npz")
 
 
-@pytest.mark.parametrize("kind", ["q6_k", "q4_k"])
+@pytest.mark.parametrize("kind", ["q6_k", "q5_k", "q4_k"])
 def test_k_quant_blocks_are_the_reference_quantizer_s_byte_for_byte(kind):
     quantize = getattr(_kquants, f"quantize_{kind}")
     for row, values in enumerate(GOLDEN["inputs"]):
@@ -37,7 +37,7 @@ def test_q6_k_blocks_read_back_within_half_a_step():
     assert np.all(np.abs(back - values) <= np.repeat(_kquants.q4_k_steps(blocks), 32) * 1.5)
 
 
-@pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q4_k", "Q5_0")])
+@pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q5_k", "Q5_1"), ("q4_k", "Q5_0")])
 def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path, kind, fallback):
     rng = np.random.default_rng(0)
     wide, narrow = rng.standard_normal((4, 512)).astype(np.float32), rng.standard_normal((4, 64)).astype(np.float32)
@@ -56,9 +56,11 @@ def _use_more_bits(i, n):  # llama-quant.cpp's, written out
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def test_q4_k_m_picks_each_tensor_s_type_as_llama_cpp_s_quantizer_does(cli, tmp_path):
-    """Q4_K_M: Q4_K, with Q6_K for attn_v and ffn_down in the layers llama.cpp gives more
-    bits (use_more_bits) and for output.weight; 1-D tensors F32; rows short of 256 falling back."""
+@pytest.mark.parametrize("mix, base, fallback", [("q4_k_m", Q.Q4_K, Q.Q5_0), ("q5_k_m", Q.Q5_K, Q.Q5_1)])
+def test_k_m_mixes_pick_each_tensor_s_type_as_llama_cpp_s_quantizer_does(cli, tmp_path, mix, base, fallback):
+    """Q4_K_M (Q5_K_M): Q4_K (Q5_K), with Q6_K for attn_v and ffn_down in the layers llama.cpp
+    gives more bits (use_more_bits) and for output.weight; 1-D tensors F32; rows short of 256
+    falling back."""
     rng = np.random.default_rng(0)
     layers, tensors = 16, {}
     for i in range(layers):
@@ -69,19 +71,19 @@ def test_q4_k_m_picks_each_tensor_s_type_as_llama_cpp_s_quantizer_does(cli, tmp_
     tensors["output.weight"] = rng.standard_normal((4, 256)).astype(np.float32)
     tensors["narrow.weight"] = rng.standard_normal((4, 64)).astype(np.float32)
     save_file(tensors, str(tmp_path / "m.safetensors"))
-    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", "q4_k_m")
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", mix)
     assert result.code == 0, result.stderr
     got = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     for i in range(layers):
-        more = Q.Q6_K if _use_more_bits(i, layers) else Q.Q4_K
+        more = Q.Q6_K if _use_more_bits(i, layers) else base
         assert got[f"blk.{i}.attn_v.weight"] == more and got[f"blk.{i}.ffn_down.weight"] == more, i
-        assert got[f"blk.{i}.attn_q.weight"] == Q.Q4_K and got[f"blk.{i}.attn_norm.weight"] == Q.F32
-    assert got["output.weight"] == Q.Q6_K and got["token_embd.weight"] == Q.Q4_K
-    assert got["narrow.weight"] == Q.Q5_0  # (Q4_K's fallback)
+        assert got[f"blk.{i}.attn_q.weight"] == base and got[f"blk.{i}.attn_norm.weight"] == Q.F32
+    assert got["output.weight"] == Q.Q6_K and got["token_embd.weight"] == base
+    assert got["narrow.weight"] == fallback
     # tied embeddings (no output.weight): token_embd.weight takes output's Q6_K
     del tensors["output.weight"]
     save_file(tensors, str(tmp_path / "tied.safetensors"))
-    assert cli("convert", tmp_path / "tied.safetensors", tmp_path / "tied.gguf", "--dtype", "q4_k_m").code == 0
+    assert cli("convert", tmp_path / "tied.safetensors", tmp_path / "tied.gguf", "--dtype", mix).code == 0
     got = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "tied.gguf")).tensors}
     assert got["token_embd.weight"] == Q.Q6_K
 
@@ -94,3 +96,21 @@ def test_blocks_made_on_every_core_are_the_blocks_made_on_one(monkeypatch):
     parallel = _kquants.quantize_q6_k(values)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert parallel.tobytes() == _kquants.quantize_q6_k(values).tobytes()
+
+
+def test_a_70b_model_s_attn_v_takes_q5_k_under_q4_k_m():
+    """llama.cpp's rule for its 70B models (80 layers, grouped KV heads): attn_v Q5_K where
+    Q4_K_M gives Q4_K; a model of as many layers without grouped heads (65B) keeps Q4_K."""
+    from treecli.formats import _mixes
+
+    def shapes(kv_rows):
+        found = {}
+        for i in range(80):
+            found.update({f"blk.{i}.attn_q.weight": (8192, 8192), f"blk.{i}.attn_k.weight": (kv_rows, 8192),
+                          f"blk.{i}.attn_v.weight": (kv_rows, 8192), f"blk.{i}.ffn_down.weight": (8192, 28672)})
+        return found
+
+    seventy, sixty_five = _mixes.chooser(shapes(1024), "q4_k_m"), _mixes.chooser(shapes(8192), "q4_k_m")
+    plain = next(i for i in range(80) if not _use_more_bits(i, 80))
+    assert seventy(f"blk.{plain}.attn_v.weight") == "q5_k" and sixty_five(f"blk.{plain}.attn_v.weight") == "q4_k"
+    assert seventy("blk.0.attn_v.weight") == "q6_k" and seventy(f"blk.{plain}.ffn_down.weight") == "q4_k"

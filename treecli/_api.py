@@ -256,8 +256,9 @@ def cast(tree: Any, dtype: str) -> tuple[Any, Any]:
 
 
 def quantize(tree: Any, kind: str) -> Any:
-    """Any pytree with its float weights quantized to ``kind`` (``q8_0``, ``q6_k``, ``q5_1``,
-    ``q5_0``, ``q4_k``, ``q4_1`` or ``q4_0``) where llama.cpp would quantize them (two or more
+    """Any pytree with its float weights quantized to ``kind`` (``q8_0``, ``q6_k``, ``q5_k``,
+    ``q5_1``, ``q5_0``, ``q4_k``, ``q4_1``, ``q4_0``, or the mixes ``q5_k_m`` and ``q4_k_m``:
+    each tensor's type by its llama.cpp name) where llama.cpp would quantize them (two or more
     dimensions, rows of whole blocks): saved into a ``.gguf`` file they are written
     quantized, and read they hold the values a GGUF reader gets back. What
     ``treecli convert --dtype q8_0`` does.

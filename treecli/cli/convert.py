@@ -27,10 +27,10 @@ def convert(
                                           "its input (a GGUF file back to an HF directory).")] = False,
     list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
     format: opt.OutputFormatOpt = None,
-    dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q6_k, q5_1, "
-                            "q5_0, q4_k, q4_1, q4_0 or llama.cpp's mix q4_k_m quantizes the weights as "
-                            "llama-quantize does (2-D leaves; output.weight Q6_K; rows short of a block fall "
-                            "back as its do).") = None,
+    dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q6_k, q5_k, "
+                            "q5_1, q5_0, q4_k, q4_1, q4_0 or llama.cpp's mixes q5_k_m and q4_k_m quantize the "
+                            "weights as llama-quantize does (2-D leaves; output.weight Q6_K; rows short of a "
+                            "block fall back as its do).") = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,

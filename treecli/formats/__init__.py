@@ -70,8 +70,8 @@ def quantized(tree: Any, kind: str) -> Any:
     kind = kind.lower()
     if kind not in GGUF_QUANTIZATIONS:
         raise UsageError(f"cannot quantize to {kind!r}; choose one of {', '.join(GGUF_QUANTIZATIONS)}")
-    names = [".".join(map(str, keypath)) for keypath, _ in _tree.flatten(tree)]
-    choose = _mixes.chooser(names, kind)
+    choose = _mixes.chooser({".".join(map(str, keypath)): tuple(leaf.shape) for keypath, leaf in _tree.flatten(tree)
+                             if _leaf.is_array(leaf)}, kind)
 
     def leaf(keypath: tuple, x: Any) -> Any:
         if not _leaf.is_array(x) or not _dtypes.is_float(_leaf.as_leaf(x).dtype_name):

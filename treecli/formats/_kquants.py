@@ -1,7 +1,7 @@
 """llama.cpp's K-quants, written as its reference quantizers write them (``ggml-quants.c``'s
-``quantize_row_q6_K_ref`` and ``quantize_row_q4_K_ref``, no importance matrix): every
-block byte for byte, checked against blocks the C reference made
-(``tests/data/kquants/``, and the script that made them).
+``quantize_row_q6_K_ref``, ``quantize_row_q5_K_ref`` and ``quantize_row_q4_K_ref``, no
+importance matrix): every block byte for byte, checked against blocks the C reference
+made (``tests/data/kquants/``, and the script that made them).
 
 The reference works one group of 16 or 32 values at a time in float32; here the same
 float32 operations run on every group of a part of a tensor at once, in the reference's
@@ -16,6 +16,7 @@ from typing import Any
 QK_K = 256  # values in a K-quant super-block
 Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (float16)
 Q4_K_BYTES = 144  # d, dmin (float16), scales[12] (6-bit scales and mins), qs[128]
+Q5_K_BYTES = 176  # Q4_K's, with qh[32] (each level's fifth bit) before qs
 _GROUP_MAX_EPS = 1e-15
 
 
@@ -157,7 +158,44 @@ def quantize_q4_k(data: Any) -> Any:
     return _on_every_core(_q4_k, data)
 
 
+def quantize_q5_k(data: Any) -> Any:
+    """``data`` (float32, a multiple of 256 values) as Q5_K blocks (uint8, 176 bytes per 256
+    values): Q4_K's layout with a fifth bit of each level in ``qh``."""
+    return _on_every_core(_q5_k, data)
+
+
 def _q4_k(data: Any) -> Any:
+    import numpy as np
+
+    d, dmin, packed, levels = _with_mins(data, 15, -1.0, 20)
+    out = np.zeros((levels.shape[0], Q4_K_BYTES), np.uint8)
+    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, dmin, packed
+    for chunk in range(4):  # each 64 values: 32 bytes, the first 32 in the low nibbles
+        part = levels[:, 64 * chunk : 64 * (chunk + 1)]
+        out[:, 16 + 32 * chunk : 16 + 32 * (chunk + 1)] = part[:, :32] | (part[:, 32:] << 4)
+    return out.reshape(-1)
+
+
+def _q5_k(data: Any) -> Any:
+    import numpy as np
+
+    d, dmin, packed, levels = _with_mins(data, 31, -0.5, 15)
+    out = np.zeros((levels.shape[0], Q5_K_BYTES), np.uint8)
+    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, dmin, packed
+    high = np.zeros((levels.shape[0], 32), np.uint8)
+    for chunk in range(4):  # each 64 values: their low nibbles in 32 bytes, their fifth bits in qh
+        part = levels[:, 64 * chunk : 64 * (chunk + 1)]
+        high |= ((part[:, :32] >> 4) << (2 * chunk)).astype(np.uint8)
+        high |= ((part[:, 32:] >> 4) << (2 * chunk + 1)).astype(np.uint8)
+        out[:, 48 + 32 * chunk : 48 + 32 * (chunk + 1)] = (part[:, :32] & 0xF) | ((part[:, 32:] & 0xF) << 4)
+    out[:, 16:48] = high
+    return out.reshape(-1)
+
+
+def _with_mins(data: Any, nmax: int, rmin: float, nstep: int) -> tuple[Any, Any, Any, Any]:
+    """What Q4_K and Q5_K share (``quantize_row_q{4,5}_K_ref``): per super-block its scale
+    and min as float16 bytes, the 6-bit scales and mins of its eight groups of 32 packed in
+    12 bytes, and each value's level (0 to ``nmax``)."""
     import numpy as np
 
     f32 = np.float32
@@ -165,7 +203,7 @@ def _q4_k(data: Any) -> Any:
     blocks = x.shape[0]
     groups = x.reshape(-1, 32)
     weights = np.sqrt(_sequential_sum(groups * groups) / f32(32))[:, None] + np.abs(groups)
-    scales, mins, levels = _make_qkx2_quants(groups, weights, 15, f32(-1), f32(0.1), 20)
+    scales, mins, levels = _make_qkx2_quants(groups, weights, nmax, f32(rmin), f32(0.1), nstep)
     scales, mins = scales.reshape(blocks, 8), mins.reshape(blocks, 8)
     levels = levels.reshape(blocks, 8, 32)
     max_scale = np.maximum(scales.max(axis=1), f32(0))  # (the C loop keeps the largest above 0)
@@ -185,23 +223,19 @@ def _q4_k(data: Any) -> Any:
     dmin = (max_min / f32(63)).astype(np.float16)
     step = d.astype(np.float32)[:, None] * ls.astype(np.float32)
     shift = dmin.astype(np.float32)[:, None] * lm.astype(np.float32)
-    quantized = np.clip(_nearest_int((x + shift[:, :, None]) / np.where(step == 0, f32(1), step)[:, :, None]), 0, 15)
+    quantized = np.clip(_nearest_int((x + shift[:, :, None]) / np.where(step == 0, f32(1), step)[:, :, None]),
+                        0, nmax)
     levels = np.where((step != 0)[:, :, None], quantized, levels).reshape(blocks, 256)
-    out = np.zeros((blocks, Q4_K_BYTES), np.uint8)
-    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
-    out[:, 2:4] = dmin.reshape(-1, 1).view(np.uint8)
-    out[:, 4:16] = packed.astype(np.uint8)
-    for chunk in range(4):  # each 64 values: 32 bytes, the first 32 in the low nibbles
-        part = levels[:, 64 * chunk : 64 * (chunk + 1)]
-        out[:, 16 + 32 * chunk : 16 + 32 * (chunk + 1)] = part[:, :32] | (part[:, 32:] << 4)
-    return out.reshape(-1)
+    return (d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed.astype(np.uint8),
+            levels.astype(np.uint8))
 
 
-def q4_k_steps(blocks: Any) -> Any:
-    """Each 32-value group's quantization step, ``d * scale``, of Q4_K blocks."""
+def q4_k_steps(blocks: Any, size: int = 0) -> Any:
+    """Each 32-value group's quantization step, ``d * scale``, of Q4_K blocks (or of Q5_K
+    blocks, of ``size`` 176: their first 16 bytes are laid out alike)."""
     import numpy as np
 
-    blocks = np.asarray(blocks, np.uint8).reshape(-1, Q4_K_BYTES)
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, size or Q4_K_BYTES)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     q = blocks[:, 4:16].astype(np.int32)
     scales = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)], axis=1)

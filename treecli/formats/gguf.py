@@ -296,9 +296,9 @@ class _BigEndianLeaf(FileArrayLeaf):
 def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
     """``leaf`` to be written quantized (``q8_0``, ``q6_k``, ...), as llama.cpp quantizes
     weights: a leaf of two or more dimensions whose rows fill whole blocks (rows that do
-    not fill a K-quant's 256 fall back, Q6_K to Q8_0 and Q4_K to Q5_0, as llama.cpp's
-    quantizer falls back); any other
-    leaf as it is. Its values are those a reader gets back: quantized, then dequantized."""
+    not fill a K-quant's 256 fall back, Q6_K to Q8_0, Q5_K to Q5_1 and Q4_K to Q5_0, as
+    llama.cpp's quantizer falls back); any other leaf as it is. Its values are those a
+    reader gets back: quantized, then dequantized."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType[kind_name.upper()]
@@ -312,7 +312,7 @@ def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
 
 # A K-quant whose blocks a tensor's rows cannot fill -> the type llama.cpp writes instead
 # (``tensor_type_fallback`` in llama-quant.cpp)
-_FALLBACKS = {"Q6_K": "q8_0", "Q4_K": "q5_0"}
+_FALLBACKS = {"Q6_K": "q8_0", "Q5_K": "q5_1", "Q4_K": "q5_0"}
 
 
 def kept_quantized(tree: Any) -> Any:
@@ -414,6 +414,9 @@ class _Quantizing(QuantizedLeaf):
         if kind == GGMLQuantizationType.Q6_K:  # (llama.cpp's reference quantizers, byte for byte)
             blocks = _kquants.quantize_q6_k(data).reshape(data.shape[0], -1)
             step, group = _kquants.q6_k_steps(blocks), 16
+        elif kind == GGMLQuantizationType.Q5_K:
+            blocks = _kquants.quantize_q5_k(data).reshape(data.shape[0], -1)
+            step, group = _kquants.q4_k_steps(blocks, _kquants.Q5_K_BYTES), 32
         elif kind == GGMLQuantizationType.Q4_K:
             blocks = _kquants.quantize_q4_k(data).reshape(data.shape[0], -1)
             step, group = _kquants.q4_k_steps(blocks), 32

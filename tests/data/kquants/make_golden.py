@@ -31,7 +31,8 @@ const char * ggml_type_name(int type) { return "?"; }
 size_t ggml_type_size(int type) { abort(); }
 """
 # the reference's function, bytes per 256 values
-TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210), "q4_k": ("quantize_row_q4_K_ref", 144)}
+TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210), "q5_k": ("quantize_row_q5_K_ref", 176),
+         "q4_k": ("quantize_row_q4_K_ref", 144)}
 
 
 def inputs() -> np.ndarray:
