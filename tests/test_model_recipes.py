@@ -9,7 +9,9 @@ llama.cpp itself is tests/test_llama_cpp_oracle.py."""
 from __future__ import annotations
 
 import json
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,6 +282,8 @@ def test_a_hostile_config_is_one_line(cli, tmp_path, changes, message):
 @pytest.mark.parametrize("tokenizer, message", [
     ({"model": {"type": "BPE", "vocab": {"a": 10 ** 12}}}, "token id"),
     ({"model": {"type": "BPE", "vocab": {"a": "zero"}}}, "token id"),
+    ({"model": {"type": "BPE", "vocab": {"a": [0]}}}, "token id"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"id": -1, "content": "x"}]}, "token id"),
     ({"model": {"type": "BPE", "vocab": ["a"]}}, "byte-level BPE"),
     ({"model": "BPE"}, "no tokenizer"),
     ([1, 2], "no tokenizer"),
@@ -488,3 +492,55 @@ def test_show_of_the_recipe_s_gguf_keeps_the_tokenizer_json_short(cli, tmp_path)
     assert line.endswith(f"… ({size:,} characters)") and len(line) < 4200
     assert cli("show", tmp_path / "m.gguf", "--json").json["metadata"]["tokenizer.huggingface.json"] == \
         (model / "tokenizer.json").read_text()  # (under 65,536 characters: whole)
+
+
+def test_a_fifo_or_a_device_in_place_of_a_tokenizer_file_is_one_line(cli, tmp_path):
+    import os
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        model = write_model(tmp_path / name, "llama")
+        (model / name).unlink(missing_ok=True)
+        os.mkfifo(model / name)
+        assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), name)
+    model = write_model(tmp_path / "zero", "llama")
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to("/dev/zero")
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "tokenizer.json")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_token_id_twice_is_one_line(cli, tmp_path):
+    model = write_model(tmp_path / "m", "llama")
+    tokenizer = byte_level_tokenizer()
+    tokenizer["model"]["vocab"]["he"] = tokenizer["model"]["vocab"]["ll"]  # two tokens, one id
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "token id",
+                       "twice")
+    tokenizer = byte_level_tokenizer()
+    tokenizer["added_tokens"][0]["id"] = 5  # an added token on a vocabulary token's id, another text
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert_clean_error(cli("convert", model, tmp_path / "x.gguf", "--recipe", "llama.cpp"), "token id 5",
+                       "twice")
+
+
+def test_embeddings_of_more_rows_than_any_vocabulary_are_refused_before_a_list_is_built():
+    import gguf
+
+    from treecli._errors import UsageError
+    from treecli.recipes import _vocab
+
+    model = write_model(Path(tempfile.mkdtemp()) / "m", "llama")
+    with pytest.raises(UsageError, match="rows"):
+        _vocab.to_gguf(model, 1 << 40, gguf.GGUFWriter(None, "llama"))
+
+
+def test_a_fifo_beside_a_scanned_checkpoint_is_one_line(cli, tmp_path):
+    import os
+
+    model = write_model(tmp_path / "m", "llama")
+    assert cli("convert", model, tmp_path / "s", "--format", "orbax", "--recipe", "scanned").code == 0
+    (tmp_path / "s" / "config.json").unlink()
+    os.mkfifo(tmp_path / "s" / "config.json")
+    assert_clean_error(cli("convert", tmp_path / "s", tmp_path / "back", "--recipe", "scanned", "--reverse"),
+                       "config.json")
+    assert not (tmp_path / "back").exists()

@@ -211,7 +211,7 @@ def test_a_recipe_file_runs_both_ways_and_writes_its_metadata(cli, tmp_path):
     ("steps: [{rename: {from: 'a+b', to: c}}]", "literal text"),
     ("steps: [{stack: {from: 'l.{i}.(.+)', to: 'x', axis: one}}]", "axis is a whole number"),
     ("steps: [{transpose: {keys: w, axes: 1}}]", "axes is a list"),
-    ("steps: [!!python/object/apply:os.system ['touch pwned']]", "no YAML"),
+    ("steps: [!!python/object/apply:os.system ['touch pwned']]", "not a YAML config"),
     ("just text", "a YAML mapping with a list of steps"),
     ("steps: []\nextra: 1", "unknown key 'extra'"),
 ])
@@ -247,3 +247,40 @@ def test_a_transpose_that_cannot_fit_in_memory_is_refused_before_it_starts(monke
     with pytest.raises(UsageError) as raised:
         T.Transpose("w", (1, 0)).apply([("w", InMemoryLeaf(np.zeros((20, 20), np.float32)))], {})
     assert "holds the leaf twice in memory" in raised.value.message and "w" in raised.value.message
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps: [{rename: {from: 'a.(.+)', to: 'b.\\\\1', to: 'c.\\\\1'}}]", "'to' twice"),
+    ("steps: [{rename: {from: a, to: b}}]\nsteps: []", "'steps' twice"),
+    ("params: {b: &b [1, 1, 1, 1, 1, 1, 1, 1], c: &c [*b, *b, *b, *b, *b, *b, *b, *b],\n"
+     "  d: &d [*c, *c, *c, *c, *c, *c, *c, *c], e: &e [*d, *d, *d, *d, *d, *d, *d, *d],\n"
+     "  f: &f [*e, *e, *e, *e, *e, *e, *e, *e]}\n"
+     "steps: [{unflatten: {keys: w, axis: 0, sizes: [*f]}}]", "sizes holds a list"),
+    ("params: {b: &b [1, 1, 1, 1, 1, 1, 1, 1], c: &c [*b, *b, *b, *b, *b, *b, *b, *b],\n"
+     "  d: &d [*c, *c, *c, *c, *c, *c, *c, *c], e: &e [*d, *d, *d, *d, *d, *d, *d, *d]}\n"
+     "steps: []\nmetadata: {k: *e}", "metadata values are text or numbers"),
+    ("steps: [{unflatten: {keys: w, axis: 0, sizes: [[1, 2]]}}]", "sizes holds a list"),
+    ("steps: []\nmetadata: {k: [1, 2]}", "metadata values are text or numbers"),
+])
+def test_a_recipe_file_s_ambiguity_and_alias_bombs_are_one_line(cli, tmp_path, text, message):
+    from .conftest import assert_clean_error
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    (tmp_path / "r.yaml").write_text(text)
+    assert_clean_error(cli("convert", model, tmp_path / "out.safetensors", "--recipe", tmp_path / "r.yaml"), message)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_recipe_that_is_a_fifo_or_a_device_is_refused_without_reading(cli, tmp_path):
+    import os
+
+    from .conftest import assert_clean_error
+    from .tiny_llama import write_model
+
+    model = write_model(tmp_path / "m", "llama")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    for name in ("fifo.yaml", "zero.yaml"):
+        assert_clean_error(cli("convert", model, tmp_path / "out.safetensors", "--recipe", tmp_path / name), name)
+    assert not (tmp_path / "out.safetensors").exists()

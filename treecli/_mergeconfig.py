@@ -80,9 +80,10 @@ class MergeConfig:
         return list(dict.fromkeys(names))
 
 
-def parse(text: str, where: str) -> Any:
+def parse(text: str, where: str, kind: str = "merge config") -> Any:
     """A config file's text (read by the caller: a regular file, at most
-    ``MAX_CONFIG_BYTES``) as YAML plain data.
+    ``MAX_CONFIG_BYTES``) as YAML plain data; ``kind`` says what config it is (a recipe's
+    file is read here too).
 
     Raises:
         UsageError: not YAML, or nested deeper than any config.
@@ -96,7 +97,7 @@ def parse(text: str, where: str) -> Any:
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise UsageError(f"{where}: not a YAML config{at}: {getattr(e, 'problem', None) or e}") from None
     except RecursionError:
-        raise UsageError(f"{where}: nested deeper than any merge config") from None
+        raise UsageError(f"{where}: nested deeper than any {kind}") from None
 
 
 def load(data: Any, known_parameters: list[str], methods: list[str], where: str = "the config") -> MergeConfig:

@@ -83,10 +83,13 @@ def companion_bytes(checkpoint: Any, name: str) -> bytes | None:
     folder = checkpoint.folder
     if folder is None or (folder.listable and name not in folder.files()):
         return None
-    try:
+    if folder.listable:  # (a FIFO or a device by that name is refused, never taken for none)
         reader = folder.reader(name)
-    except (OSError, TreecliError):  # (an HTTP directory is asked: no answer is no file)
-        return None
+    else:
+        try:
+            reader = folder.reader(name)
+        except (OSError, TreecliError):  # (an HTTP directory is asked: no answer is no file)
+            return None
     try:
         if reader.size is not None and reader.size > 64 << 20:
             raise UsageError(f"{name} is {reader.size:,} bytes: no tokenizer is that large", file=folder.named(name))

@@ -45,6 +45,9 @@ def to_gguf(directory: Path, vocab_size: int, writer: Any) -> list[str]:
     """
     from gguf import SpecialVocab
 
+    if vocab_size > MAX_TOKENS:  # (refused before a token list of that length is made)
+        raise UsageError(f"the embeddings have {vocab_size:,} rows; no vocabulary has more than {MAX_TOKENS:,} "
+                         "tokens", file=str(directory))
     warnings: list[str] = []
     if (directory / "tokenizer.model").is_file():
         tokens, scores, types = _sentencepiece(directory / "tokenizer.model")
@@ -101,16 +104,31 @@ def _byte_level_bpe(text: str) -> tuple[list[str], list[int], str | None]:
                          "llama.cpp's 'llama' tokenizer is read from tokenizer.model")
     by_id: dict[int, tuple[str, int]] = {}
     for token, index in vocab.items():
+        if type(index) is not int or not 0 <= index < MAX_TOKENS:
+            raise UsageError(f"tokenizer.json has a token id that is no whole number below {MAX_TOKENS:,}")
+        if index in by_id:
+            raise UsageError(f"tokenizer.json gives token id {_shown(index)} twice ({_shown(by_id[index][0])} and "
+                             f"{_shown(token)})")
         by_id[index] = (token, NORMAL)
     for added in data.get("added_tokens") or []:
         if isinstance(added, dict) and isinstance(added.get("id"), int) and isinstance(added.get("content"), str):
-            by_id[added["id"]] = (added["content"], CONTROL if added.get("special") else USER_DEFINED)
-    if any(type(i) is not int or not 0 <= i < MAX_TOKENS for i in by_id):
-        raise UsageError(f"tokenizer.json has a token id that is no whole number below {MAX_TOKENS:,}")
+            index, text = added["id"], added["content"]
+            if not 0 <= index < MAX_TOKENS:
+                raise UsageError(f"tokenizer.json has a token id that is no whole number below {MAX_TOKENS:,}")
+            if index in by_id and by_id[index][0] != text:  # (an added token may repeat its vocabulary entry)
+                raise UsageError(f"tokenizer.json gives token id {index} twice ({_shown(by_id[index][0])} and "
+                                 f"{_shown(text)})")
+            by_id[index] = (text, CONTROL if added.get("special") else USER_DEFINED)
     size = max(by_id) + 1 if by_id else 0
     tokens = [by_id.get(i, (f"[PAD{i}]", UNUSED))[0] for i in range(size)]
     types = [by_id.get(i, ("", UNUSED))[1] for i in range(size)]
     return tokens, types, _pre_tokenizer(data.get("pre_tokenizer"))
+
+
+def _shown(value: Any) -> str:
+    from treecli._escape import quote
+
+    return quote(str(value)[:40])
 
 
 def _pre_tokenizer(spec: Any) -> str | None:

@@ -70,16 +70,15 @@ def load(path: Path) -> YamlRecipe:
     Raises:
         UsageError: no such file, no YAML mapping, an unknown step or field, a pattern that cannot be reversed.
     """
-    import yaml
+    from treecli._bytes.local import read_text
+    from treecli._mergeconfig import parse
 
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise UsageError(f"{path.stat().st_size:,} bytes: no recipe is that long", file=str(path))
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    try:  # (a regular file only, never more than _MAX_BYTES read: a FIFO would hang, /dev/zero never end)
+        text = read_text(path, _MAX_BYTES, "recipe")
     except OSError as e:
         raise UsageError(f"cannot read the recipe: {e.strerror or e}", file=str(path)) from None
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
-        raise UsageError(f"no YAML: {str(e).splitlines()[0][:200]}", file=str(path)) from None
+    _refuse_keys_twice(text, str(path))
+    data = parse(text, str(path), "recipe")
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
         raise UsageError("a recipe is a YAML mapping with a list of steps", file=str(path))
     unknown = sorted(set(map(str, data)) - {"name", "summary", "steps", "params", "metadata"})
@@ -88,6 +87,8 @@ def load(path: Path) -> YamlRecipe:
     params, metadata = data.get("params") or {}, data.get("metadata") or {}
     if not isinstance(params, dict) or not isinstance(metadata, dict):
         raise UsageError("params and metadata are mappings", file=str(path))
+    if not all(_scalar(value) for value in metadata.values()):  # (never a list: an alias bomb's is endless)
+        raise UsageError("metadata values are text or numbers", file=str(path))
     steps = [_step(step, n, str(path)) for n, step in enumerate(data["steps"], 1)]
     return YamlRecipe(str(data.get("name") or path.stem), str(data.get("summary") or ""), steps,
                       {str(k): v for k, v in params.items()}, {str(k): _text(v) for k, v in metadata.items()})
@@ -113,6 +114,9 @@ def _step(entry: Any, number: int, file: str) -> Any:
         if parameter in _SEQUENCES:
             if not isinstance(value, list) or not value:
                 raise UsageError(f"step {number} ({verb}): {field} is a list", file=file)
+            if not all(_scalar(item) for item in value):  # (a list in it may be an alias bomb's)
+                raise UsageError(f"step {number} ({verb}): {field} holds a list or a mapping; it holds text or "
+                                 "numbers", file=file)
             value = tuple(value)
         elif parameter == "axis" and type(value) is not int:
             raise UsageError(f"step {number} ({verb}): axis is a whole number", file=file)
@@ -130,3 +134,33 @@ def _step(entry: Any, number: int, file: str) -> Any:
 def _text(value: Any) -> Any:
     """A metadata value as a text, as most formats hold metadata."""
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) or value is None
+
+
+def _refuse_keys_twice(text: str, file: str) -> None:
+    """Refuse a mapping that names a key twice (YAML keeps the last, silently): which of the
+    two was meant cannot be told. Each node is visited once, however often aliases share it."""
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError):
+        return  # (said by the parser, in its words)
+    seen, pending = set(), [root] if root is not None else []
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys = [key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode)]
+            twice = next((key for key in keys if keys.count(key) > 1), None)
+            if twice is not None:
+                raise UsageError(f"{str(twice)[:40]!r} twice in one mapping, at line {node.start_mark.line + 1}",
+                                 file=file)
+            pending.extend(value for _, value in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)

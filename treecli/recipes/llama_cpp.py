@@ -279,12 +279,10 @@ def _metadata(checkpoint: Any, config: dict[str, Any], arch: str, layers: int, r
 
 @contextlib.contextmanager
 def _tokenizer_directory(checkpoint: Any) -> Iterator[Path]:
-    """A local directory holding the files beside the weights the tokenizer is read from:
-    the input's own, or (remote) a temporary one they are fetched into."""
-    folder = checkpoint.folder
-    if folder is not None and folder.local_path is not None:
-        yield Path(folder.local_path)
-        return
+    """A temporary directory holding copies of the files beside the weights the tokenizer is
+    read from, wherever they lie: each read as treecli reads a small file (a regular file
+    only, its size bounded), so that neither treecli nor the gguf package reads a FIFO, a
+    device or a file of gigabytes in a local directory."""
     with tempfile.TemporaryDirectory(prefix="treecli-tokenizer-") as directory:
         for name in _TOKENIZER_FILES:
             data = companion_bytes(checkpoint, name) if name == "tokenizer.model" else \
