@@ -22,6 +22,14 @@ from gguf import quants  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 
 
+def finished(writer) -> None:
+    """A gguf.GGUFWriter's file written out and closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def random_blocks(kind, rows: int, blocks: int, rng) -> np.ndarray:
     """Raw blocks of a quantized type gguf cannot quantize (the K-quants): random bytes,
     each block's leading f16 scale kept small so that values stay finite."""
@@ -52,10 +60,7 @@ def model(tmp_path_factory):
     for kind in (Q.Q4_K, Q.Q6_K):
         data = random_blocks(kind, 3, 2, rng)
         writer.add_tensor(f"blk.1.{kind.name.lower()}.weight", data, raw_shape=data.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     return path
 
 
@@ -263,10 +268,7 @@ def test_a_big_endian_gguf_reads_as_gguf_py_reads_it(cli, tmp_path):
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     writer.add_tensor("w", w.copy())  # (gguf-py swaps the bytes as it writes)
     writer.add_tensor("ids", np.arange(5, dtype=np.int32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     shown = cli("show", path, "--json")
     assert shown.code == 0, shown.stderr
     assert shown.json["metadata"]["llama.block_count"] == 2 and shown.json["metadata"]["llama.rope.freqs"] == \
@@ -287,10 +289,7 @@ def test_blocks_gguf_does_not_dequantize_are_one_line_and_copy_as_they_are(cli, 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("blk.0.w", raw, raw_shape=raw.shape, raw_dtype=kind)
     writer.add_tensor("blk.0.norm", np.ones(4, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     shown = cli("show", path)
     assert shown.code == 0 and f"1 {kind.name}" in shown.stdout, shown.stderr
     assert_clean_error(cli("get", path, "blk.0.w"), f"blk.0.w: {kind.name} blocks, which the gguf package does not "
@@ -320,10 +319,7 @@ def test_show_names_the_model_a_gguf_s_metadata_describes(cli, tmp_path):
     writer.add_block_count(2)
     writer.add_token_list([f"t{i}" for i in range(40)])
     writer.add_tensor("token_embd.weight", np.ones((40, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     shown = cli("show", path)
     assert shown.code == 0, shown.stderr
     assert shown.stdout.splitlines()[0].split("  ", 1)[1].startswith("gguf, llama, 2 layers, vocab 40, ")
@@ -336,10 +332,7 @@ def test_a_gguf_architecture_from_the_file_is_escaped_and_bounded(cli, tmp_path)
     path = tmp_path / "evil.gguf"
     writer = gguf.GGUFWriter(str(path), "evil\x1b[2J" + "x" * 500)
     writer.add_tensor("w", np.ones((2, 2), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     shown = cli("show", path)
     assert shown.code == 0, shown.stderr
     head = shown.stdout.splitlines()[0]
@@ -386,10 +379,7 @@ def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, 
     writer = gguf.GGUFWriter(str(q3_k), "llama")
     data = random_blocks(Q.Q3_K, 2, 1, np.random.default_rng(0))
     writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=Q.Q3_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finished(writer)
     lossy = cli("edit", q3_k, "-o", tmp_path / "f32.gguf", "--scale", "w=2")
     assert lossy.code == 0, lossy.stderr
     assert next(iter(gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors)).tensor_type == Q.F32

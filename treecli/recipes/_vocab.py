@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli._errors import UsageError
+from treecli._mergeconfig import shown as _shown  # (a value from a file, bounded however it was built)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType (SentencePiece's too)
 MAX_TOKENS = 1 << 24  # the largest vocabularies have a few hundred thousand
@@ -123,12 +124,6 @@ def _byte_level_bpe(text: str) -> tuple[list[str], list[int], str | None]:
     tokens = [by_id.get(i, (f"[PAD{i}]", UNUSED))[0] for i in range(size)]
     types = [by_id.get(i, ("", UNUSED))[1] for i in range(size)]
     return tokens, types, _pre_tokenizer(data.get("pre_tokenizer"))
-
-
-def _shown(value: Any) -> str:
-    from treecli._escape import quote
-
-    return quote(str(value)[:40])
 
 
 def _pre_tokenizer(spec: Any) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 from treecli import _leaf
 from treecli._errors import UsageError
+from treecli._mergeconfig import shown as _shown  # (a value from a file, bounded however it was built)
 from treecli._transforms import Rename, Rotary, applied, inverted, items_of, tree_of
 from treecli.recipes import _rope, _vocab
 from treecli.recipes._recipe import Conversion, architecture, companion_bytes, companion_text, hf_config
@@ -196,13 +197,6 @@ def _check_hyper_parameters(config: dict[str, Any], file: str) -> None:
         value = rope.get(key, config.get(key)) if key == "rope_theta" else config.get(key)
         if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
             raise UsageError(f"config.json's {key} is {_shown(value)}: a positive number is wanted", file=file)
-
-
-def _shown(value: Any) -> str:
-    from treecli._escape import quote
-
-    text = json.dumps(value) if not isinstance(value, str) else value
-    return quote(text[:40] + ("..." if len(text) > 40 else ""))
 
 
 def _layer_count(items: list[tuple[str, Any]], config: dict[str, Any], file: str) -> int:
