@@ -375,15 +375,27 @@ def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, 
     assert k_quant.code == 0 and "requantized to Q4_K: 1 tensor" in k_quant.stderr, k_quant.stderr
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors}
     assert tensors["blk.1.q4_k.weight"].tensor_type == Q.Q4_K
-    q3_k = tmp_path / "q3_k.gguf"  # (a type treecli does not write yet)
-    writer = gguf.GGUFWriter(str(q3_k), "llama")
-    data = random_blocks(Q.Q3_K, 2, 1, np.random.default_rng(0))
-    writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=Q.Q3_K)
+    from treecli.formats import _kquants
+
+    low_bits = tmp_path / "low.gguf"  # Q3_K and Q2_K, written since; IQ4_NL, a type treecli does not write yet
+    writer = gguf.GGUFWriter(str(low_bits), "llama")
+    values = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    for name, kind in (("q3", Q.Q3_K), ("q2", Q.Q2_K)):
+        blocks = getattr(_kquants, f"quantize_{kind.name.lower()}")(values).reshape(2, -1)
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+    data = random_blocks(Q.IQ4_NL, 2, 8, np.random.default_rng(0))
+    writer.add_tensor("iq", data, raw_shape=data.shape, raw_dtype=Q.IQ4_NL)
     finished(writer)
-    lossy = cli("edit", q3_k, "-o", tmp_path / "f32.gguf", "--scale", "w=2")
+    lossy = cli("edit", low_bits, "-o", tmp_path / "f32.gguf", "--scale", "*=2")
     assert lossy.code == 0, lossy.stderr
-    assert next(iter(gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors)).tensor_type == Q.F32
-    assert "1 tensor stored Q3_K is written F32: treecli does not write Q3_K yet" in lossy.stderr
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors}
+    assert tensors["iq"].tensor_type == Q.F32
+    assert "1 tensor stored IQ4_NL is written F32: treecli does not write IQ4_NL yet" in lossy.stderr
+    for name, kind in (("q3", Q.Q3_K), ("q2", Q.Q2_K)):
+        before = quants.dequantize(getattr(_kquants, f"quantize_{kind.name.lower()}")(values).reshape(2, -1), kind)
+        assert tensors[name].tensor_type == kind and f"requantized to {kind.name}: 1 tensor" in lossy.stderr
+        again = getattr(_kquants, f"quantize_{kind.name.lower()}")(before * 2)
+        assert np.asarray(tensors[name].data).tobytes() == again.tobytes()
 
 
 def test_an_average_of_quantized_tensors_stays_quantized_and_a_copy_keeps_its_blocks(cli, model, tmp_path):

@@ -19,7 +19,7 @@ from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 GOLDEN = np.load(Path(__file__).parent / "data" / "kquants" / "golden.npz")
 
 
-@pytest.mark.parametrize("kind", ["q6_k", "q5_k", "q4_k"])
+@pytest.mark.parametrize("kind", ["q6_k", "q5_k", "q4_k", "q3_k", "q2_k"])
 def test_k_quant_blocks_are_the_reference_quantizer_s_byte_for_byte(kind):
     quantize = getattr(_kquants, f"quantize_{kind}")
     for row, values in enumerate(GOLDEN["inputs"]):
@@ -37,7 +37,8 @@ def test_q6_k_blocks_read_back_within_half_a_step():
     assert np.all(np.abs(back - values) <= np.repeat(_kquants.q4_k_steps(blocks), 32) * 1.5)
 
 
-@pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q5_k", "Q5_1"), ("q4_k", "Q5_0")])
+@pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q5_k", "Q5_1"), ("q4_k", "Q5_0"), ("q3_k", "Q4_0"),
+                                            ("q2_k", "Q4_0")])
 def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path, kind, fallback):
     rng = np.random.default_rng(0)
     wide, narrow = rng.standard_normal((4, 512)).astype(np.float32), rng.standard_normal((4, 64)).astype(np.float32)
@@ -114,3 +115,106 @@ def test_a_70b_model_s_attn_v_takes_q5_k_under_q4_k_m():
     plain = next(i for i in range(80) if not _use_more_bits(i, 80))
     assert seventy(f"blk.{plain}.attn_v.weight") == "q5_k" and sixty_five(f"blk.{plain}.attn_v.weight") == "q4_k"
     assert seventy("blk.0.attn_v.weight") == "q6_k" and seventy(f"blk.{plain}.ffn_down.weight") == "q4_k"
+
+
+@pytest.mark.parametrize("kind, steps_of, group", [("q3_k", "q3_k_steps", 16), ("q2_k", "q2_k_steps", 16)])
+def test_low_bit_k_quants_read_back_within_their_steps(kind, steps_of, group):
+    values = GOLDEN["inputs"][2]
+    blocks = getattr(_kquants, f"quantize_{kind}")(values)
+    back = quants.dequantize(blocks.reshape(1, -1), Q[kind.upper()]).reshape(-1)
+    steps = np.repeat(getattr(_kquants, steps_of)(blocks), group)
+    # (levels clipped at the ends of the range: a few steps out at most, as the reference)
+    assert np.all(np.abs(back - values) <= steps * 4)
+    assert np.median(np.abs(back - values) / steps) < 0.5
+
+
+def _model_shapes(layers=16, kv_rows=64):
+    shapes = {"token_embd.weight": (100, 256), "output.weight": (100, 256)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (256, 256), f"blk.{i}.attn_k.weight": (kv_rows, 256),
+                       f"blk.{i}.attn_v.weight": (kv_rows, 256), f"blk.{i}.attn_output.weight": (256, 256),
+                       f"blk.{i}.ffn_down.weight": (256, 512), f"blk.{i}.ffn_up.weight": (512, 256),
+                       f"blk.{i}.attn_norm.weight": (256,)})
+    return shapes
+
+
+# llama-quant.cpp's rules for 16 layers, written out: (attn_v of layers 0-15, ffn_down, attn_output)
+_EXPECTED = {
+    "q2_k": (["q4_k"] * 16, ["q3_k"] * 16, "q3_k"),  # (4 query heads to a KV head: attn_v Q4_K)
+    "q3_k_s": (["q3_k"] * 16, ["q3_k"] * 16, "q3_k"),
+    "q3_k_m": (["q5_k"] * 2 + ["q4_k"] * 14, ["q5_k"] + ["q4_k"] * 15, "q4_k"),
+    "q3_k_l": (["q5_k"] * 16, ["q5_k"] * 16, "q5_k"),
+    "q4_k_s": (["q5_k"] * 4 + ["q4_k"] * 12, ["q5_k"] * 2 + ["q4_k"] * 14, "q4_k"),
+    "q4_k": ([("q6_k" if _use_more_bits(i, 16) else "q4_k") for i in range(16)],
+             [("q6_k" if _use_more_bits(i, 16) else "q4_k") for i in range(16)], "q4_k"),
+    "q5_k_s": (["q5_k"] * 16, ["q5_k"] * 16, "q5_k"),
+    "q6_k": (["q6_k"] * 16, ["q6_k"] * 16, "q6_k"),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(_EXPECTED))
+def test_each_mix_picks_llama_cpp_s_types_by_layer(mix):
+    from treecli.formats import _mixes
+
+    choose = _mixes.chooser(_model_shapes(kv_rows=64), mix)
+    attn_v, ffn_down, attn_output = _EXPECTED[mix]
+    assert [choose(f"blk.{i}.attn_v.weight") for i in range(16)] == attn_v
+    assert [choose(f"blk.{i}.ffn_down.weight") for i in range(16)] == ffn_down
+    assert choose("blk.3.attn_output.weight") == attn_output
+    assert choose("output.weight") == "q6_k" and choose("blk.0.attn_norm.weight") is None
+    assert choose("blk.5.attn_q.weight") == _mixes.MIXES[_mixes.ALIASES.get(mix, mix)]
+
+
+def test_q2_k_s_attn_v_without_grouped_heads_is_q3_k():
+    from treecli.formats import _mixes
+
+    assert _mixes.chooser(_model_shapes(kv_rows=256), "q2_k")("blk.7.attn_v.weight") == "q3_k"
+
+
+def _layered(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {f"blk.{i}.{name}.weight": rng.standard_normal((2, 256)).astype(np.float32)
+               for i in range(4) for name in ("attn_q", "attn_v", "ffn_down")}
+    tensors["output.weight"] = rng.standard_normal((4, 256)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    return tmp_path / "m.safetensors"
+
+
+def test_tensor_type_overrides_the_mix_first_match_first(cli, tmp_path):
+    source = _layered(tmp_path)
+    result = cli("convert", source, tmp_path / "m.gguf", "--dtype", "q4_k_m", "--tensor-type", r"attn_v=q8_0",
+                 "--tensor-type", r"blk\.[23]\..*=q2_k", "--tensor-type", "output=q5_0")
+    assert result.code == 0, result.stderr
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    got = {t.name: t.tensor_type for t in reader.tensors}
+    assert [got[f"blk.{i}.attn_v.weight"] for i in range(4)] == [Q.Q8_0] * 4
+    assert got["blk.2.ffn_down.weight"] == got["blk.3.attn_q.weight"] == Q.Q2_K
+    assert got["blk.0.ffn_down.weight"] == got["blk.1.attn_q.weight"] == Q.Q4_K  # (the mix, where nothing matched)
+    assert got["output.weight"] == Q.Q5_0
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == 15  # (LLAMA_FTYPE_MOSTLY_Q4_K_M)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "q4_k_m", "--tensor-type", "attn_v=q9_9"], "cannot quantize 'attn_v' to 'q9_9'"),
+    (["--dtype", "q4_k_m", "--tensor-type", "attn_v(=q8_0"], "'attn_v(' is not a regular expression"),
+    (["--dtype", "q4_k_m", "--tensor-type", "attn_v"], "is not REGEX=TYPE"),
+    (["--tensor-type", "attn_v=q8_0"], "give a quantizing --dtype"),
+])
+def test_a_bad_tensor_type_is_refused_in_one_line_before_anything_is_written(cli, tmp_path, args, message):
+    source = _layered(tmp_path)
+    result = cli("convert", source, tmp_path / "m.gguf", *args)
+    assert result.code == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "m.gguf").exists()
+
+
+def test_a_requantized_gguf_says_its_new_file_type(cli, tmp_path):
+    """An F16 GGUF's general.file_type (1) no longer holds once it is written Q8_0 (7)."""
+    writer = gguf.GGUFWriter(str(tmp_path / "f16.gguf"), "llama")
+    writer.add_file_type(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.random.default_rng(0).standard_normal((4, 256)).astype(np.float16))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    assert cli("convert", tmp_path / "f16.gguf", tmp_path / "q8.gguf", "--dtype", "q8_0").code == 0
+    reader = gguf.GGUFReader(str(tmp_path / "q8.gguf"))
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == 7
+    assert reader.tensors[0].tensor_type == Q.Q8_0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -115,3 +116,50 @@ def test_llama_cpp_runs_k_quant_weights(cli, tmp_path, kind):
     # (the weights' own rounding, on a tiny random model: 6 bits, then mostly 4)
     assert np.abs(same_blocks - expected).max() < {"q6_k": 0.06, "q5_k_m": 0.12, "q4_k_m": 0.25}[kind] * scale
     assert (got.argmax(-1) == same_blocks.argmax(-1)).mean() >= 0.75
+
+
+# Run in llama-cpp-python's own Python: llama_model_quantize, what llama-quantize runs.
+QUANTIZE = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3].upper())
+params.nthread = 2
+if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) != 0:
+    raise SystemExit("llama_model_quantize failed")
+"""
+
+
+@pytest.fixture(scope="module")
+def sixteen_layers(tmp_path_factory):
+    """A Llama of 16 layers (use_more_bits' eighths), rows of 256 (K-quant blocks) and grouped
+    KV heads (4 queries to a key: Q2_K's rule), as an F32 GGUF; the FFN's rows of 640 are
+    not whole blocks (ffn_down falls back)."""
+    root = tmp_path_factory.mktemp("mixes")
+    model = _build(root / "hf", "llama", layers=16, hidden_size=256, intermediate_size=640,
+                   num_attention_heads=8, num_key_value_heads=2)
+    ran = subprocess.run([sys.executable, "-m", "treecli", "convert", str(model), str(root / "f32.gguf"), "--recipe", "llama.cpp"],
+                         capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    return root / "f32.gguf"
+
+
+@pytest.mark.parametrize("mix", ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+                                 "q6_k", "q8_0", "q4_0", "q5_1"])
+def test_every_mix_is_llama_quantize_s_tensor_for_tensor(cli, tmp_path, sixteen_layers, mix):
+    """treecli's --dtype MIX beside llama.cpp's own quantizer on the same F32 GGUF: each
+    tensor's type and blocks the same, byte for byte, and general.file_type the mix."""
+    import gguf
+
+    ran = subprocess.run([PYTHON, "-c", QUANTIZE, str(sixteen_layers), str(tmp_path / "ref.gguf"), mix],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    result = cli("convert", sixteen_layers, tmp_path / "ours.gguf", "--dtype", mix)
+    assert result.code == 0, result.stderr
+    ours, ref = gguf.GGUFReader(str(tmp_path / "ours.gguf")), gguf.GGUFReader(str(tmp_path / "ref.gguf"))
+    theirs = {t.name: t for t in ref.tensors}
+    assert sorted(t.name for t in ours.tensors) == sorted(theirs)
+    for tensor in ours.tensors:
+        assert tensor.tensor_type == theirs[tensor.name].tensor_type, tensor.name
+        assert np.asarray(tensor.data).tobytes() == np.asarray(theirs[tensor.name].data).tobytes(), tensor.name
+    file_type = [f for f in (ours.fields["general.file_type"], ref.fields["general.file_type"])]
+    assert int(file_type[0].parts[-1][0]) == int(file_type[1].parts[-1][0])

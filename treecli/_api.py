@@ -255,13 +255,16 @@ def cast(tree: Any, dtype: str) -> tuple[Any, Any]:
     return _finish(result, [native], structure), report
 
 
-def quantize(tree: Any, kind: str) -> Any:
-    """Any pytree with its float weights quantized to ``kind`` (``q8_0``, ``q6_k``, ``q5_k``,
-    ``q5_1``, ``q5_0``, ``q4_k``, ``q4_1``, ``q4_0``, or the mixes ``q5_k_m`` and ``q4_k_m``:
-    each tensor's type by its llama.cpp name) where llama.cpp would quantize them (two or more
-    dimensions, rows of whole blocks): saved into a ``.gguf`` file they are written
-    quantized, and read they hold the values a GGUF reader gets back. What
-    ``treecli convert --dtype q8_0`` does.
+def quantize(tree: Any, kind: str, tensor_types: dict[str, str] | None = None) -> Any:
+    """Any pytree with its float weights quantized under ``kind``, llama-quantize's mix
+    (``q4_k_m``, ``q5_k_m``, ``q3_k_s``/``m``/``l``, ``q4_k_s``, ``q5_k_s``, ``q2_k``,
+    ``q6_k``, ``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``; ``q3_k``, ``q4_k`` and ``q5_k``
+    its aliases of the ``_m`` mixes): each tensor's type by its llama.cpp name and layer,
+    as llama.cpp's quantizer picks it, where it would quantize (two or more dimensions,
+    rows of whole blocks, not a norm). ``tensor_types`` maps regexes to types (``{"attn_v":
+    "q8_0"}``): a tensor whose name one is found in takes the first such one's type. Saved
+    into a ``.gguf`` file they are written quantized, and read they hold the values a GGUF
+    reader gets back. What ``treecli convert --dtype q4_k_m`` does.
 
     Example:
         >>> treecli.save(treecli.quantize(treecli.load("model.safetensors"), "q8_0"), "model.gguf")
@@ -269,7 +272,7 @@ def quantize(tree: Any, kind: str) -> Any:
     from treecli.formats import quantized
 
     native, structure = _pytree.to_native(tree)
-    return _finish(quantized(native, kind), [native], structure)
+    return _finish(quantized(native, kind, list((tensor_types or {}).items())), [native], structure)
 
 
 def transform(tree: Any, steps: Sequence[Any], params: dict[str, Any] | None = None, *,

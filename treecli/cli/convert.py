@@ -27,10 +27,14 @@ def convert(
                                           "its input (a GGUF file back to an HF directory).")] = False,
     list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
     format: opt.OutputFormatOpt = None,
-    dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, q8_0, q6_k, q5_k, "
-                            "q5_1, q5_0, q4_k, q4_1, q4_0 or llama.cpp's mixes q5_k_m and q4_k_m quantize the "
-                            "weights as llama-quantize does (2-D leaves; output.weight Q6_K; rows short of a "
-                            "block fall back as its do).") = None,
+    dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, llama-quantize's "
+                            "mixes (q4_k_m, q5_k_m, q3_k_s/m/l, q4_k_s, q5_k_s, q2_k, q6_k, q8_0, q5_1, q5_0, "
+                            "q4_1, q4_0; q3_k, q4_k, q5_k its aliases of the _m mixes) quantize the weights "
+                            "tensor by tensor as llama-quantize does.") = None,
+    tensor_type: Annotated[Optional[list[str]], typer.Option(
+        "--tensor-type", help="With a quantizing --dtype: REGEX=TYPE quantizes the tensors whose llama.cpp "
+        "name the regex is found in to TYPE (q8_0 ... q2_k), before the mix (llama-quantize's option); "
+        "repeatable, the first match wins.", show_default=False, metavar="REGEX=TYPE")] = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "
                                             "leaf bit-exactly before it replaces anything.")] = False,
@@ -62,6 +66,7 @@ def convert(
         treecli convert model.safetensors hf_dir --max-shard-size 5GB
         treecli convert model.safetensors ckpt_dir --format orbax
         treecli convert model.safetensors layer0.safetensors --where 'model.layers.0.**'
+        treecli convert llama.gguf llama-q4.gguf --dtype q4_k_m --tensor-type 'attn_v=q8_0'
     """
     from treecli import _dtypes, _tree
     from treecli._combine import AverageReport, cast_floats
@@ -78,6 +83,10 @@ def convert(
         raise UsageError("give SOURCE and TARGET (or --list-recipes)")
     if reverse and recipe is None:
         raise UsageError("--reverse runs a recipe backwards: give --recipe")
+    overrides = [_tensor_type(text) for text in tensor_type or []]
+    if overrides and not (dtype and dtype.lower() in GGUF_QUANTIZATIONS):
+        raise UsageError(f"{option('tensor-type', tensor_type[0])} picks a tensor's quantization: give a "
+                         "quantizing --dtype (q4_k_m, q8_0, ...) too")
     with open_input(out, source, input_format, step, like) as ckpt, about(source):
         conversion = _recipe_applied(ckpt, recipe, reverse) if recipe else None
         tree = conversion.tree if conversion else ckpt.tree
@@ -89,7 +98,7 @@ def convert(
         if dtype and dtype.lower() in GGUF_QUANTIZATIONS:  # a GGUF output's quantization of its weights
             if decided is None or decided[0].name != "gguf":
                 raise UsageError(f"{option('dtype', dtype)} quantizes into a GGUF file; name a .gguf output")
-            tree = quantized(tree, dtype)
+            tree = quantized(tree, dtype, overrides)
         elif dtype:
             tree = cast_floats(tree, _dtypes.parse(dtype), report)
         # A bucket output is checked by the upload's own checksums: it cannot be read back before it appears.
@@ -104,6 +113,16 @@ def convert(
         warnings = (conversion.warnings if conversion else []) + report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, input=str(source), verified=verify) if json else None)
+
+
+def _tensor_type(text: str) -> tuple[str, str]:
+    """--tensor-type's REGEX=TYPE (split at the last ``=``: a type has none, a regex may)."""
+    from treecli._errors import UsageError, option
+
+    pattern, equals, kind = text.rpartition("=")
+    if not equals or not pattern or not kind:
+        raise UsageError(f"{option('tensor-type', text)} is not REGEX=TYPE (attn_v=q8_0)")
+    return pattern, kind
 
 
 def _recipe_applied(ckpt, name: str, reverse: bool):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS
-from treecli.formats._mixes import MIXES
+from treecli.formats._mixes import ALIASES, MIXES
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
 
@@ -48,35 +48,50 @@ def get(name: str) -> Format:
 
 
 
-# What a GGUF output quantizes float leaves to (``convert --dtype``): the types treecli
-# writes, and llama.cpp's mixes of them.
-GGUF_QUANTIZATIONS = WRITTEN_QUANTIZATIONS + MIXES
+# What a GGUF output quantizes float leaves to (``convert --dtype``): llama.cpp's mixes (each
+# plain type the mix of that type), as llama-quantize names them; and what --tensor-type
+# may give one tensor: the types treecli writes.
+GGUF_QUANTIZATIONS = tuple(MIXES) + tuple(ALIASES)
+TENSOR_TYPES = WRITTEN_QUANTIZATIONS
 
 
-def quantized(tree: Any, kind: str) -> Any:
+def quantized(tree: Any, kind: str, overrides: Sequence[tuple[str, str]] = ()) -> Any:
     """``tree`` with each float leaf quantized as llama.cpp's quantizer quantizes it under
-    ``kind`` (one of ``GGUF_QUANTIZATIONS``: a type, or a mix such as ``q4_k_m`` that picks
-    each tensor's type by its llama.cpp name and layer, ``_mixes``) where it would
-    quantize it (two or more dimensions, rows of whole blocks or a fallback type's), the
-    rest as it is: written quantized into a GGUF output, and read as the values a GGUF
-    reader gets back (quantized, then dequantized) anywhere.
+    ``kind`` (one of ``GGUF_QUANTIZATIONS``: a mix such as ``q4_k_m`` that picks each
+    tensor's type by its llama.cpp name and layer, ``_mixes``, or a plain type's) where it
+    would quantize it (two or more dimensions, rows of whole blocks or a fallback type's,
+    not a norm), ``overrides`` ((regex, type) pairs, the first found in a name) before the
+    mix; the rest as it is: written quantized into a GGUF output, and read as the values a
+    GGUF reader gets back (quantized, then dequantized) anywhere.
 
     Raises:
-        UsageError: a kind GGUF's writer does not quantize to.
+        UsageError: a kind GGUF's writer does not quantize to, an override's bad regex or type.
     """
+    import re
+
     from treecli import _dtypes, _leaf
     from treecli.formats import _mixes, gguf
 
     kind = kind.lower()
     if kind not in GGUF_QUANTIZATIONS:
         raise UsageError(f"cannot quantize to {kind!r}; choose one of {', '.join(GGUF_QUANTIZATIONS)}")
+    for pattern, chosen in overrides:
+        if chosen.lower() not in TENSOR_TYPES:
+            raise UsageError(f"cannot quantize {pattern!r} to {chosen!r}; choose one of {', '.join(TENSOR_TYPES)}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UsageError(f"{pattern!r} is not a regular expression: {e}") from None
+    overrides = [(pattern, chosen.lower()) for pattern, chosen in overrides]
     choose = _mixes.chooser({".".join(map(str, keypath)): tuple(leaf.shape) for keypath, leaf in _tree.flatten(tree)
-                             if _leaf.is_array(leaf)}, kind)
+                             if _leaf.is_array(leaf)}, kind, overrides)
+    mix = ALIASES.get(kind, kind)
 
     def leaf(keypath: tuple, x: Any) -> Any:
         if not _leaf.is_array(x) or not _dtypes.is_float(_leaf.as_leaf(x).dtype_name):
             return x
-        return gguf.quantizing(_leaf.as_leaf(x), choose(".".join(map(str, keypath))))
+        chosen = choose(".".join(map(str, keypath)))
+        return x if chosen is None else gguf.quantizing(_leaf.as_leaf(x), chosen, mix=mix)
 
     return _tree.map_leaves(leaf, tree)
 

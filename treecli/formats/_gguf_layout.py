@@ -26,7 +26,7 @@ SCALARS = {0: ("<B", "uint8"), 1: ("<b", "int8"), 2: ("<H", "uint16"), 3: ("<h",
 STRING, ARRAY = 8, 9
 # The quantized types treecli writes, as `--dtype` names them (the K-quants by llama.cpp's
 # reference quantizers, in _kquants.py; the others by the gguf package)
-WRITTEN_QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")
+WRITTEN_QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
 
 
 class MetaValue(str):

@@ -31,6 +31,11 @@ GGML_MAX_DIMS = 4
 def write(tree: Any, target: Path, options: WriteOptions) -> None:
     entries = _entries(tree, str(target), options)
     metadata = dict(options.metadata)
+    mixes = {leaf.mix for _, leaf in entries if getattr(leaf, "mix", None) and not getattr(leaf, "requantized", False)}
+    if len(mixes) == 1:  # quantized here by a llama.cpp mix: the file says which (an input's type no longer holds)
+        from gguf import LlamaFileType
+
+        metadata["general.file_type"] = MetaValue(4, int(LlamaFileType[f"MOSTLY_{mixes.pop().upper()}"]))
     alignment = _alignment(metadata.get("general.alignment"))
     infos, offset = [], 0
     for name, leaf in entries:

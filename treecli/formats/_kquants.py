@@ -1,6 +1,5 @@
 """llama.cpp's K-quants, written as its reference quantizers write them (``ggml-quants.c``'s
-``quantize_row_q6_K_ref``, ``quantize_row_q5_K_ref`` and ``quantize_row_q4_K_ref``, no
-importance matrix): every block byte for byte, checked against blocks the C reference
+``quantize_row_q{6,5,4,3,2}_K_ref``, no importance matrix): every block byte for byte, checked against blocks the C reference
 made (``tests/data/kquants/``, and the script that made them).
 
 The reference works one group of 16 or 32 values at a time in float32; here the same
@@ -17,6 +16,8 @@ QK_K = 256  # values in a K-quant super-block
 Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (float16)
 Q4_K_BYTES = 144  # d, dmin (float16), scales[12] (6-bit scales and mins), qs[128]
 Q5_K_BYTES = 176  # Q4_K's, with qh[32] (each level's fifth bit) before qs
+Q3_K_BYTES = 110  # hmask[32] (each level's third bit), qs[64], scales[12] (6-bit), d (float16)
+Q2_K_BYTES = 84  # scales[16] (4-bit scale and min), qs[64], d, dmin (float16)
 _GROUP_MAX_EPS = 1e-15
 
 
@@ -242,10 +243,11 @@ def q4_k_steps(blocks: Any, size: int = 0) -> Any:
     return np.abs(d * scales.astype(np.float32)).reshape(-1)
 
 
-def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, nstep: int
+def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, nstep: int, use_mad: bool = False
                       ) -> tuple[Any, Any, Any]:
-    """``make_qkx2_quants(32, nmax, x, weights, L, &min, Laux, rmin, rdelta, nstep, false)`` for
-    each row of ``x``: its scale, its min (as the reference returns it: ``-min``) and levels."""
+    """``make_qkx2_quants(n, nmax, x, weights, L, &min, Laux, rmin, rdelta, nstep, use_mad)`` for
+    each row of ``x``: its scale, its min (as the reference returns it: ``-min``) and levels.
+    ``use_mad``: errors weighed by their magnitude, not their square."""
     import numpy as np
 
     f32 = np.float32
@@ -262,8 +264,10 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
     iscale = f32(nmax) / span
     scale = f32(1) / iscale
     levels = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
-    diff = scale[:, None] * levels.astype(np.float32) + low[:, None] - x
-    best = _sequential_sum(weights * (diff * diff))
+    def error_of(diff):
+        return _sequential_sum(weights * (np.abs(diff) if use_mad else diff * diff))
+
+    best = error_of(scale[:, None] * levels.astype(np.float32) + low[:, None] - x)
     for step in range(nstep + 1):  # (``min`` moves as better fits are found: so does ``max - min``)
         iscale = (rmin + rdelta * f32(step) + f32(nmax)) / np.where(flat, f32(1), high - low)
         tried = np.clip(_nearest_int(iscale[:, None] * (x - low[:, None])), 0, nmax)
@@ -279,8 +283,7 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
         clamped = this_min > 0
         this_min = np.where(clamped, f32(0), this_min)
         this_scale = np.where(clamped, sum_xl / np.where(sum_l2 != 0, sum_l2, f32(1)), this_scale)
-        diff = this_scale[:, None] * as_float + this_min[:, None] - x
-        error = _sequential_sum(weights * (diff * diff))
+        error = error_of(this_scale[:, None] * as_float + this_min[:, None] - x)
         better = solvable & (error < best)
         levels = np.where(better[:, None], tried, levels)
         best = np.where(better, error, best)
@@ -288,3 +291,158 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
         low = np.where(better, this_min, low)
     levels = np.where(flat[:, None], 0, levels)
     return np.where(flat, f32(0), scale), -low, levels
+
+
+def quantize_q3_k(data: Any) -> Any:
+    """``data`` (float32, a multiple of 256 values) as Q3_K blocks (uint8, 110 bytes per 256
+    values): sixteen groups of 16, each a 3-bit level with a 6-bit signed scale."""
+    return _on_every_core(_q3_k, data)
+
+
+def quantize_q2_k(data: Any) -> Any:
+    """``data`` (float32, a multiple of 256 values) as Q2_K blocks (uint8, 84 bytes per 256
+    values): sixteen groups of 16, each a 2-bit level with a 4-bit scale and min."""
+    return _on_every_core(_q2_k, data)
+
+
+def _q3_k(data: Any) -> Any:
+    import numpy as np
+
+    f32 = np.float32
+    x = data.reshape(-1, QK_K // 16, 16)
+    blocks = x.shape[0]
+    scales, levels = _make_q3_quants(x.reshape(-1, 16), 4)
+    scales, levels = scales.reshape(blocks, 16), levels.reshape(blocks, 16, 16)
+    max_scale = np.take_along_axis(scales, _first_largest(np.abs(scales))[:, None], axis=1)[:, 0]
+    kept = max_scale != 0
+    iscale = f32(-32) / np.where(kept, max_scale, f32(1))
+    as_int8 = ((_nearest_int(iscale[:, None] * scales) + 128) & 0xFF) - 128  # (int8_t l = nearest_int(...))
+    six_bit = np.where(kept[:, None], np.clip(as_int8, -32, 31) + 32, 0)
+    packed = np.zeros((blocks, 12), np.int32)
+    packed[:, 0:8] = (six_bit[:, 0:8] & 0xF) | ((six_bit[:, 8:16] & 0xF) << 4)
+    for j in range(16):  # each scale's two high bits: four scales to a byte
+        packed[:, 8 + j % 4] |= (six_bit[:, j] >> 4) << (2 * (j // 4))
+    d = np.where(kept, f32(1) / iscale, f32(0)).astype(np.float16)
+    # what a reader makes of the packed scales (a block of no scale reads -32 of them, times d = 0)
+    step = d.astype(np.float32)[:, None] * (six_bit - 32).astype(np.float32)
+    quantized = np.clip(_nearest_int(x / np.where(step == 0, f32(1), step)[:, :, None]), -4, 3) + 4
+    levels = np.where((step != 0)[:, :, None], quantized, levels).reshape(blocks, QK_K)
+    out = np.zeros((blocks, Q3_K_BYTES), np.uint8)
+    high = (levels > 3).reshape(blocks, 8, 32)  # value j's third bit: bit j // 32 of hmask[j % 32]
+    out[:, 0:32] = (high.astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    out[:, 32:96] = _two_bit(levels & 3)
+    out[:, 96:108] = packed.astype(np.uint8)
+    out[:, 108:110] = d.reshape(-1, 1).view(np.uint8)
+    return out.reshape(-1)
+
+
+def _q2_k(data: Any) -> Any:
+    import numpy as np
+
+    f32 = np.float32
+    x = data.reshape(-1, QK_K // 16, 16)
+    blocks = x.shape[0]
+    groups = x.reshape(-1, 16)
+    scales, mins, levels = _make_qkx2_quants(groups, np.abs(groups), 3, f32(-0.5), f32(0.1), 15, use_mad=True)
+    scales, mins, levels = scales.reshape(blocks, 16), mins.reshape(blocks, 16), levels.reshape(blocks, 16, 16)
+    max_scale = np.maximum(scales.max(axis=1), f32(0))
+    max_min = np.maximum(mins.max(axis=1), f32(0))
+    with_scale, with_min = max_scale > 0, max_min > 0
+    ls = np.where(with_scale[:, None], _nearest_int((f32(15) / np.where(with_scale, max_scale, f32(1)))[:, None]
+                                                    * scales), 0)
+    lm = np.where(with_min[:, None], _nearest_int((f32(15) / np.where(with_min, max_min, f32(1)))[:, None] * mins), 0)
+    packed = (ls | (lm << 4)) & 0xFF  # (uint8_t scales[j] = l, then |= l << 4)
+    d = np.where(with_scale, max_scale / f32(15), f32(0)).astype(np.float16)
+    dmin = np.where(with_min, max_min / f32(15), f32(0)).astype(np.float16)
+    step = d.astype(np.float32)[:, None] * (packed & 0xF).astype(np.float32)
+    shift = dmin.astype(np.float32)[:, None] * (packed >> 4).astype(np.float32)
+    quantized = np.clip(_nearest_int((x + shift[:, :, None]) / np.where(step == 0, f32(1), step)[:, :, None]), 0, 3)
+    levels = np.where((step != 0)[:, :, None], quantized, levels).reshape(blocks, QK_K)
+    out = np.zeros((blocks, Q2_K_BYTES), np.uint8)
+    out[:, 0:16] = packed.astype(np.uint8)
+    out[:, 16:80] = _two_bit(levels)
+    out[:, 80:82] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 82:84] = dmin.reshape(-1, 1).view(np.uint8)
+    return out.reshape(-1)
+
+
+def _two_bit(levels: Any) -> Any:
+    """Levels of 0 to 3 packed four to a byte, as Q2_K and Q3_K pack them: of each 128
+    values, byte ``l`` holds values ``l``, ``l + 32``, ``l + 64`` and ``l + 96``."""
+    import numpy as np
+
+    part = levels.reshape(levels.shape[0], 2, 4, 32).astype(np.uint8)
+    packed = part[:, :, 0] | (part[:, :, 1] << 2) | (part[:, :, 2] << 4) | (part[:, :, 3] << 6)
+    return packed.reshape(levels.shape[0], 64)
+
+
+def _make_q3_quants(x: Any, nmax: int) -> tuple[Any, Any]:
+    """``make_q3_quants(16, nmax, x, L, do_rmse=true)`` for each row of ``x``: each group's
+    scale and levels (``l + nmax``; 0 for a group of zeros), the reference's five passes
+    of moving one level at a time where that fits better. A pass that moves nothing
+    leaves nothing for the next to move, so running every group through all five passes
+    (the reference stops such a group) gives the same levels."""
+    import numpy as np
+
+    f32 = np.float32
+    first = _first_largest(np.abs(x))
+    biggest = x[np.arange(x.shape[0]), first]
+    empty = np.abs(biggest) < f32(_GROUP_MAX_EPS)
+    iscale = f32(-nmax) / np.where(empty, f32(1), biggest)
+    levels = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+    weights = x * x
+    as_float = levels.astype(np.float32)
+    sumlx, suml2 = _sequential_sum(weights * x * as_float), _sequential_sum(weights * as_float * as_float)
+    for _ in range(5):
+        moved = False
+        for i in range(x.shape[1]):
+            xi, wi, li = x[:, i], weights[:, i], levels[:, i].astype(np.float32)
+            slx = sumlx - wi * xi * li
+            movable = slx > 0
+            sl2 = suml2 - wi * li * li
+            new = np.clip(_nearest_int(xi * sl2 / np.where(movable, slx, f32(1))), -nmax, nmax - 1)
+            as_new = new.astype(np.float32)
+            new_slx, new_sl2 = slx + wi * xi * as_new, sl2 + wi * as_new * as_new
+            better = movable & (new != levels[:, i]) & (new_sl2 > 0) & \
+                (new_slx * new_slx * suml2 > sumlx * sumlx * new_sl2)
+            if better.any():
+                moved = True
+                levels[:, i] = np.where(better, new, levels[:, i])
+                sumlx, suml2 = np.where(better, new_slx, sumlx), np.where(better, new_sl2, suml2)
+        if not moved:
+            break
+    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, f32(1)), f32(0))
+    return np.where(empty, f32(0), scale), np.where(empty[:, None], 0, levels + nmax)
+
+
+def q3_k_steps(blocks: Any) -> Any:
+    """Each 16-value group's quantization step, ``d * scale``, of Q3_K blocks."""
+    import numpy as np
+
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, Q3_K_BYTES)
+    d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 96:108].astype(np.int32)
+    low = np.concatenate([packed[:, 0:8] & 0xF, packed[:, 0:8] >> 4], axis=1)
+    high = np.stack([(packed[:, 8 + j % 4] >> (2 * (j // 4))) & 3 for j in range(16)], axis=1)
+    return np.abs(d * ((low | (high << 4)) - 32).astype(np.float32)).reshape(-1)
+
+
+def q2_k_steps(blocks: Any) -> Any:
+    """Each 16-value group's quantization step, ``d * scale``, of Q2_K blocks."""
+    import numpy as np
+
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, Q2_K_BYTES)
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+    return np.abs(d * (blocks[:, 0:16] & 0xF).astype(np.float32)).reshape(-1)
+
+
+def q5_k_steps(blocks: Any) -> Any:
+    """Each 32-value group's quantization step of Q5_K blocks (laid out as Q4_K's at first)."""
+    return q4_k_steps(blocks, Q5_K_BYTES)
+
+
+# Each type written here, as gguf's GGMLQuantizationType names it: its quantizer, the function
+# that reads each group's step from its blocks, and how many values share a step
+QUANTIZERS = {"Q6_K": (quantize_q6_k, q6_k_steps, 16), "Q5_K": (quantize_q5_k, q5_k_steps, 32),
+              "Q4_K": (quantize_q4_k, q4_k_steps, 32), "Q3_K": (quantize_q3_k, q3_k_steps, 16),
+              "Q2_K": (quantize_q2_k, q2_k_steps, 16)}

@@ -293,26 +293,29 @@ class _BigEndianLeaf(FileArrayLeaf):
         return super().read(index).byteswap()
 
 
-def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str) -> _leaf.ArrayLeaf:
+def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str, mix: str | None = None) -> _leaf.ArrayLeaf:
     """``leaf`` to be written quantized (``q8_0``, ``q6_k``, ...), as llama.cpp quantizes
     weights: a leaf of two or more dimensions whose rows fill whole blocks (rows that do
-    not fill a K-quant's 256 fall back, Q6_K to Q8_0, Q5_K to Q5_1 and Q4_K to Q5_0, as
-    llama.cpp's quantizer falls back); any other leaf as it is. Its values are those a
-    reader gets back: quantized, then dequantized."""
+    not fill a K-quant's 256 fall back, Q6_K to Q8_0, Q5_K to Q5_1, Q4_K to Q5_0 and Q3_K
+    and Q2_K to Q4_0, as llama.cpp's quantizer falls back); any other leaf as it is. Its values are those a
+    reader gets back: quantized, then dequantized. ``mix``: the llama.cpp mix that chose
+    its type (``general.file_type``)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType[kind_name.upper()]
     block, size = GGML_QUANT_SIZES[kind]
     if leaf.ndim >= 2 and leaf.shape[-1] % block and kind.name in _FALLBACKS:
-        return quantizing(leaf, _FALLBACKS[kind.name])
+        return quantizing(leaf, _FALLBACKS[kind.name], mix)
     if leaf.ndim < 2 or leaf.shape[-1] % block or not leaf.size:
         return leaf
-    return _Quantizing(leaf, int(kind), (block, size))
+    made = _Quantizing(leaf, int(kind), (block, size))
+    made.mix = mix
+    return made
 
 
 # A K-quant whose blocks a tensor's rows cannot fill -> the type llama.cpp writes instead
 # (``tensor_type_fallback`` in llama-quant.cpp)
-_FALLBACKS = {"Q6_K": "q8_0", "Q5_K": "q5_1", "Q4_K": "q5_0"}
+_FALLBACKS = {"Q6_K": "q8_0", "Q5_K": "q5_1", "Q4_K": "q5_0", "Q3_K": "q4_0", "Q2_K": "q4_0"}
 
 
 def kept_quantized(tree: Any) -> Any:
@@ -399,6 +402,8 @@ class _Quantizing(QuantizedLeaf):
         #: Whether it is a quantized tensor's edited values quantized in its own type again
         #: (``kept_quantized``), not a float leaf quantized as asked (``quantized``).
         self.requantized = False
+        #: The llama.cpp mix that chose its type (``q4_k_m``), where one did.
+        self.mix: str | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -411,15 +416,10 @@ class _Quantizing(QuantizedLeaf):
 
         kind = GGMLQuantizationType(self.kind)
         data = np.asarray(self._source, np.float32).reshape(-1, self.shape[-1])
-        if kind == GGMLQuantizationType.Q6_K:  # (llama.cpp's reference quantizers, byte for byte)
-            blocks = _kquants.quantize_q6_k(data).reshape(data.shape[0], -1)
-            step, group = _kquants.q6_k_steps(blocks), 16
-        elif kind == GGMLQuantizationType.Q5_K:
-            blocks = _kquants.quantize_q5_k(data).reshape(data.shape[0], -1)
-            step, group = _kquants.q4_k_steps(blocks, _kquants.Q5_K_BYTES), 32
-        elif kind == GGMLQuantizationType.Q4_K:
-            blocks = _kquants.quantize_q4_k(data).reshape(data.shape[0], -1)
-            step, group = _kquants.q4_k_steps(blocks), 32
+        if kind.name in _kquants.QUANTIZERS:  # (llama.cpp's reference quantizers, byte for byte)
+            quantize, steps_of, group = _kquants.QUANTIZERS[kind.name]
+            blocks = quantize(data).reshape(data.shape[0], -1)
+            step = steps_of(blocks)
         else:  # (the gguf package's; these types start a block with its scale, a float16 d: the step)
             blocks = quants.quantize(data, kind)
             step, group = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(

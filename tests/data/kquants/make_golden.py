@@ -32,7 +32,8 @@ size_t ggml_type_size(int type) { abort(); }
 """
 # the reference's function, bytes per 256 values
 TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210), "q5_k": ("quantize_row_q5_K_ref", 176),
-         "q4_k": ("quantize_row_q4_K_ref", 144)}
+         "q4_k": ("quantize_row_q4_K_ref", 144), "q3_k": ("quantize_row_q3_K_ref", 110),
+         "q2_k": ("quantize_row_q2_K_ref", 84)}
 
 
 def inputs() -> np.ndarray:
