@@ -218,3 +218,37 @@ def test_a_requantized_gguf_says_its_new_file_type(cli, tmp_path):
     reader = gguf.GGUFReader(str(tmp_path / "q8.gguf"))
     assert int(reader.fields["general.file_type"].parts[-1][0]) == 7
     assert reader.tensors[0].tensor_type == Q.Q8_0
+
+
+def test_a_verified_quantized_write_quantizes_each_tensor_once_and_still_checks_its_bytes(cli, tmp_path, monkeypatch):
+    """The verification checks the blocks written against the digest of the blocks made (not
+    by making them again: that doubled a quantized write's time), and still catches a
+    block that differs on disk."""
+    from treecli.formats import _gguf_write, _kquants as module
+
+    rng = np.random.default_rng(0)
+    save_file({f"blk.{i}.ffn_up.weight": rng.standard_normal((8, 512)).astype(np.float32) for i in range(3)},
+              str(tmp_path / "m.safetensors"))
+    made = []
+    quantize, steps, group = module.QUANTIZERS["Q4_K"]
+    monkeypatch.setitem(module.QUANTIZERS, "Q4_K", (lambda data: made.append(1) or quantize(data), steps, group))
+    result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", "q4_k")
+    assert result.code == 0 and "3 tensors quantized to Q4_K are within" in result.stderr, result.stderr
+    assert len(made) == 3
+    real_write = _gguf_write._write_blocks
+    flipped = []
+
+    def one_bit_flipped(f, leaf, options):  # the first tensor's byte 20 on disk differs from the block made
+        at = f.tell()
+        real_write(f, leaf, options)
+        if not flipped:
+            end = f.tell()
+            flipped.append(int(leaf.read_raw(20, 21)[0]) ^ 1)
+            f.seek(at + 20)
+            f.write(bytes(flipped))
+            f.seek(end)
+
+    monkeypatch.setattr(_gguf_write, "_write_blocks", one_bit_flipped)
+    broken = cli("convert", tmp_path / "m.safetensors", tmp_path / "b.gguf", "--dtype", "q4_k")
+    assert broken.code != 0 and "verification failed" in broken.stderr, broken.stderr
+    assert not (tmp_path / "b.gguf").exists()

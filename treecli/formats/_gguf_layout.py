@@ -112,6 +112,13 @@ class QuantizedLeaf(_leaf.WholeLeaf):
         """All its blocks, as stored (flat bytes)."""
         return self.read_raw(0, self.raw_nbytes)
 
+    def as_blocks(self) -> "StoredBlocks":
+        """Its blocks as a leaf of bytes, one for the tensor (a writer records their digest
+        under it, and a verification finds it there)."""
+        if getattr(self, "_as_blocks", None) is None:
+            self._as_blocks = StoredBlocks(self)
+        return self._as_blocks
+
     def load(self):
         import numpy as np
         from gguf import quants
@@ -126,3 +133,20 @@ class QuantizedLeaf(_leaf.WholeLeaf):
             raise FormatError(f"{type_name(self._kind)} blocks, which the gguf package does not dequantize; a GGUF "
                               "output copies them as they are", file=self._reader.path, keypath=self._name) from None
         return values.astype(np.float32, copy=False).reshape(-1)
+
+
+class StoredBlocks(_leaf.WholeLeaf):
+    """A quantized tensor's blocks, as stored: bytes (what a GGUF output's verification
+    compares, bit for bit)."""
+
+    def __init__(self, quantized: QuantizedLeaf):
+        self._quantized = quantized
+        self.shape = (quantized.raw_nbytes,)
+        self.dtype_name = "uint8"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self._quantized.sources
+
+    def load(self):
+        return self._quantized.read_raw(0, self._quantized.raw_nbytes)

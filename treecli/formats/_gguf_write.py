@@ -17,6 +17,7 @@ from typing import Any
 
 from treecli import _leaf
 from treecli._bytes import writer
+from treecli._bytes.writer import Digest
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import WriteOptions
@@ -51,17 +52,29 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
         writeback = options.writeback(f)
         for name, leaf in entries:
             if isinstance(leaf, QuantizedLeaf):
-                for start in range(0, leaf.raw_nbytes, _COPY_BYTES):
-                    raw = leaf.read_raw(start, min(leaf.raw_nbytes, start + _COPY_BYTES))
-                    f.write(raw)
-                    if options.progress:
-                        options.progress(raw.nbytes)
+                _write_blocks(f, leaf, options)
                 nbytes = leaf.raw_nbytes
             else:
                 writer.write_leaf(f, leaf, file=str(target), keypath=name, writeback=writeback,
                                   progress=options.progress, digests=options.digests)
                 nbytes = leaf.nbytes
             f.write(b"\0" * (-nbytes % alignment))
+
+
+def _write_blocks(f: Any, leaf: QuantizedLeaf, options: WriteOptions) -> None:
+    """A quantized tensor's blocks, copied (or made, where it is quantized here), with their
+    digest recorded for the verification: blocks made here are then never made again to
+    check them."""
+    digest = Digest() if options.digests is not None else None
+    for start in range(0, leaf.raw_nbytes, _COPY_BYTES):
+        raw = leaf.read_raw(start, min(leaf.raw_nbytes, start + _COPY_BYTES))
+        f.write(raw)
+        if digest is not None:
+            digest.update(raw)
+        if options.progress:
+            options.progress(raw.nbytes)
+    if digest is not None:
+        options.digests[id(leaf.as_blocks())] = (leaf.as_blocks(), digest.value())
 
 
 def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any]]:

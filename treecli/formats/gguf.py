@@ -61,7 +61,7 @@ class GgufFormat(Format):
         expected, found = super().stored_leaves(tree, written, like)
 
         def blocks(leaves: dict[str, Any]) -> dict[str, Any]:
-            return {name: _Blocks(leaf) if isinstance(leaf, QuantizedLeaf) else leaf for name, leaf in leaves.items()}
+            return {name: leaf.as_blocks() if isinstance(leaf, QuantizedLeaf) else leaf for name, leaf in leaves.items()}
 
         return blocks(expected), blocks(found)
 
@@ -257,22 +257,6 @@ def _sizes(kinds: set[int], file: str) -> dict[int, tuple[int, int]]:
         except (ValueError, KeyError):
             raise FormatError(f"tensor type {kind}, which ggml does not define", file=file) from None
     return sizes
-
-
-class _Blocks(_leaf.WholeLeaf):
-    """A quantized tensor's blocks, as stored: bytes."""
-
-    def __init__(self, quantized: QuantizedLeaf):
-        self._quantized = quantized
-        self.shape = (quantized.raw_nbytes,)
-        self.dtype_name = "uint8"
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return self._quantized.sources
-
-    def load(self):
-        return self._quantized.read_raw(0, self._quantized.raw_nbytes)
 
 
 class _BigEndianLeaf(FileArrayLeaf):
