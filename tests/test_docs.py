@@ -113,6 +113,10 @@ def _models(box: Path) -> None:
     write_model(box / "Qwen2-0.5B", "qwen2")
     result = run_cli("convert", box / "Llama-3.2-1B", box / "llama.gguf", "--recipe", "llama.cpp", "-q")
     assert result.code == 0, result.stderr
+    from .test_blockscaled import _fp8_model  # (FP8 block-scaled HF directories, as DeepSeek-V3's)
+
+    _fp8_model(box / "model-fp8")
+    _fp8_model(box / "other-fp8", seed=1)
 
 
 def _gguf_file(path: Path) -> None:

@@ -252,3 +252,20 @@ def test_a_verified_quantized_write_quantizes_each_tensor_once_and_still_checks_
     broken = cli("convert", tmp_path / "m.safetensors", tmp_path / "b.gguf", "--dtype", "q4_k")
     assert broken.code != 0 and "verification failed" in broken.stderr, broken.stderr
     assert not (tmp_path / "b.gguf").exists()
+
+
+def test_dtype_float32_is_what_dequantizes_a_gguf_s_quantized_tensors(cli, tmp_path):
+    """Issue 43, item 4: a copy keeps a quantized tensor's blocks; --dtype float32 (any float)
+    is what writes its values, dequantized, and they are not quantized again."""
+    rng = np.random.default_rng(0)
+    save_file({"blk.0.ffn_up.weight": rng.standard_normal((4, 256)).astype(np.float32)}, str(tmp_path / "m.safetensors"))
+    assert cli("convert", tmp_path / "m.safetensors", tmp_path / "q.gguf", "--dtype", "q4_k").code == 0
+    assert cli("convert", tmp_path / "q.gguf", tmp_path / "copy.gguf").code == 0
+    result = cli("convert", tmp_path / "q.gguf", tmp_path / "f32.gguf", "--dtype", "float32")
+    assert result.code == 0 and "requantized" not in result.stderr, result.stderr
+    quantized = gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors[0]
+    assert gguf.GGUFReader(str(tmp_path / "copy.gguf")).tensors[0].tensor_type == Q.Q4_K
+    plain = gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors[0]
+    assert plain.tensor_type == Q.F32
+    assert np.array_equal(np.asarray(plain.data).reshape(4, 256),
+                          quants.dequantize(np.asarray(quantized.data), Q.Q4_K).reshape(4, 256))

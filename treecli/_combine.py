@@ -306,9 +306,13 @@ def cast_floats(tree: Any, dtype: str | None, report: AverageReport) -> Any:
         if not _leaf.is_array(x):
             return x
         leaf = _leaf.as_leaf(x)
-        if not _dtypes.is_float(leaf.dtype_name) or leaf.dtype_name == dtype:
+        # (a leaf stored otherwise, quantized, is cast even to its own dtype: asking for a dtype
+        # is what writes its values, dequantized, not its blocks)
+        if not _dtypes.is_float(leaf.dtype_name) or (leaf.dtype_name == dtype and not leaf.stored_otherwise):
             return x
-        return cast_leaf(leaf, dtype, format_keypath(kp), report.messages.append)
+        cast = cast_leaf(leaf, dtype, format_keypath(kp), report.messages.append)
+        cast.asked_dtype = True  # (a GGUF output writes it in the dtype asked for, never requantized)
+        return cast
 
     return _tree.map_leaves(cast, tree)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -77,9 +79,7 @@ def write_output(
     format is decided once (``decided``, when the command needed it first: ``output_format``).
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
-    from treecli import _tree
-    from treecli.formats import get, held_by, is_url, output_format, save_in_place
-    from treecli._units import parse_size
+    from treecli.formats import block_scaled_written, get, held_by, is_url, output_format
 
     guessed_directory = None
     if verify and target is not None and is_url(target):
@@ -95,13 +95,38 @@ def write_output(
     holder = decided[0] if target is not None and not is_url(target) else get(source.format) if in_place else None
     if holder is not None and holder.name == "gguf":  # (its quantized tensors' edited values requantized)
         tree = held_by(tree, holder, str(target or source.file))
+    tree, dequantized = block_scaled_written(tree)  # (copied as stored, or all written plain)
+    companions = list(source.companions if companions is None else companions)
+    with _plain_config(companions, bool(dequantized)) as companions:
+        written = _write(out, tree, target, source, inputs, format, force, in_place, max_shard_size, drop_unsupported,
+                         metadata, verify, decided, companions)
+    for scheme, count in dequantized.items():
+        out.note(f"{counted(count, 'weight')} stored {scheme} {'is' if count == 1 else 'are'} written as plain "
+                 "values (treecli does not write block-scaled weights); config.json without its "
+                 "quantization_config")
+    if holder is not None and holder.name == "gguf":
+        _say_requantized(out, tree)
+    if guessed_directory is not None:
+        kind = "an HF safetensors directory" if guessed_directory.name == "safetensors" else "an Orbax checkpoint"
+        out.note(f"the output's name has no extension, so it is {kind} (for one file, name it "
+                 f"{target.name}{guessed_directory.extensions[0]})")
+    return written
+
+
+def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequence[Checkpoint], format: str | None,
+           force: bool, in_place: bool, max_shard_size: str | None, drop_unsupported: bool,
+           metadata: dict[str, Any] | None, verify: bool, decided: Any, companions: list[Path]) -> str | Path:
+    from treecli import _tree
+    from treecli.formats import save_in_place
+    from treecli._units import parse_size
+
     total = _tree.array_bytes(tree)
     name = Path(source.file).name if in_place else str(target).rstrip("/").rsplit("/", 1)[-1]
     with out.progress(f"writing {name}", total) as advance:
         options = WriteOptions(
             metadata=dict(source.metadata if metadata is None else metadata),
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-            companions=list(source.companions if companions is None else companions),
+            companions=companions,
             drop_unsupported=drop_unsupported,
             like=source.like,
             progress=advance,
@@ -114,13 +139,29 @@ def write_output(
         else:
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify, decided=decided)
-    if holder is not None and holder.name == "gguf":
-        _say_requantized(out, tree)
-    if guessed_directory is not None:
-        kind = "an HF safetensors directory" if guessed_directory.name == "safetensors" else "an Orbax checkpoint"
-        out.note(f"the output's name has no extension, so it is {kind} (for one file, name it "
-                 f"{target.name}{guessed_directory.extensions[0]})")
     return target
+
+
+@contextlib.contextmanager
+def _plain_config(companions: list[Path], plain_weights: bool) -> Iterator[list[Path]]:
+    """``companions``, where the weights beside them are plain values now (``plain_weights``)
+    with a ``config.json`` among them rewritten without its ``quantization_config`` (in a
+    temporary directory while it is copied)."""
+    from treecli._bytes.local import read_text
+
+    found = [path for path in companions if Path(path).name == "config.json"] if plain_weights else []
+    try:
+        config = json.loads(read_text(Path(found[0]))) if found else None
+    except (ValueError, OSError, TreecliError):  # (not JSON: copied as it is, as any companion)
+        config = None
+    if not isinstance(config, dict):
+        yield companions
+        return
+    config.pop("quantization_config", None)
+    with tempfile.TemporaryDirectory(prefix="treecli-config-") as work:
+        plain = Path(work) / "config.json"
+        plain.write_text(json.dumps(config, indent=2) + "\n")
+        yield [plain if path in found else path for path in companions]
 
 
 def _say_requantized(out: Output, tree: Any) -> None:

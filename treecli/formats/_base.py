@@ -315,8 +315,11 @@ class Format:
     def stored_leaves(self, tree: Any, written: Any, like: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Both sides of a verification by the names this format stores: ``tree`` as its writer
         names each leaf, and ``written`` (the output read back). Flat formats join a key path
-        with their separator; tree formats name a leaf by its key path."""
-        return stored_names(tree, self.separator), stored_names(written, self.separator)
+        with their separator; tree formats name a leaf by its key path. Block-scaled weights
+        read back are compared as their stored tensors, as they were written."""
+        from treecli.formats._blockscaled import stored_form
+
+        return stored_names(tree, self.separator), stored_names(stored_form(written)[0], self.separator)
 
     def reference_problems(self, path: Path, written: dict[str, Any]) -> list[str]:
         """What the format's own reference reader finds wrong with a finished output (``written``:

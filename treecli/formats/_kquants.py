@@ -33,24 +33,32 @@ _PART = 1024  # super-blocks quantized at once: 256K values, their temporaries a
 
 def _on_every_core(quantize: Any, data: Any) -> Any:
     """``quantize`` of ``data``'s super-blocks, a part of 256K values at a time (the
-    temporaries of a whole embedding would take gigabytes) on every core (NumPy lets go of
-    the GIL), the blocks joined in order: each super-block is quantized alone."""
+    temporaries of a whole embedding would take gigabytes) on every core, the blocks
+    joined in order: each super-block is quantized alone."""
+    import numpy as np
+
+    flat = np.ascontiguousarray(data, np.float32).reshape(-1, QK_K)
+    return np.concatenate(on_every_core(quantize, [flat[start : start + _PART]
+                                                   for start in range(0, flat.shape[0], _PART)]))
+
+
+def on_every_core(work: Any, parts: list) -> list:
+    """``work`` of each part, in order, on every core (NumPy lets go of the GIL in each
+    whole-array operation), without floating-point warnings (Inf and NaN go through as the
+    reference's arithmetic takes them)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    flat = np.ascontiguousarray(data, np.float32).reshape(-1, QK_K)
-    parts = [flat[start : start + _PART] for start in range(0, flat.shape[0], _PART)]
-
     def run(part: Any) -> Any:
         with np.errstate(all="ignore"):
-            return quantize(part)
+            return work(part)
 
-    if len(parts) == 1:
-        return run(flat)
+    if len(parts) <= 1:
+        return [run(part) for part in parts]
     with ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1)) as pool:
-        return np.concatenate(list(pool.map(run, parts)))
+        return list(pool.map(run, parts))
 
 
 def _q6_k(data: Any) -> Any:
@@ -490,8 +498,9 @@ def q5_k_steps(blocks: Any) -> Any:
     return q4_k_steps(blocks, Q5_K_BYTES)
 
 
-# Each type written here, as gguf's GGMLQuantizationType names it: its quantizer, the function
-# that reads each group's step from its blocks, and how many values share a step
-QUANTIZERS = {"Q6_K": (quantize_q6_k, q6_k_steps, 16), "Q5_K": (quantize_q5_k, q5_k_steps, 32),
-              "Q4_K": (quantize_q4_k, q4_k_steps, 32), "Q3_K": (quantize_q3_k, q3_k_steps, 16),
-              "Q2_K": (quantize_q2_k, q2_k_steps, 16)}
+# Each type written here, as gguf's GGMLQuantizationType names it: its quantizer of one part on
+# one core (float32 rows of whole super-blocks), the function that reads each group's step from
+# its blocks, and how many values share a step
+QUANTIZERS = {"Q6_K": (_q6_k, q6_k_steps, 16), "Q5_K": (_q5_k, q5_k_steps, 32), "Q4_K": (_q4_k, q4_k_steps, 32),
+              "Q3_K": (_q3_k, q3_k_steps, 16), "Q2_K": (_q2_k, q2_k_steps, 16)}
+PART_VALUES = _PART * QK_K  # values quantized at once on one core

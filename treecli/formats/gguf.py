@@ -323,7 +323,8 @@ def kept_quantized(tree: Any) -> Any:
 def _quantized_origin(value: Any) -> str | None:
     """The type of the quantized tensors a float32 computed leaf is made from, where they are
     all of one type (and it reads from nothing else); else None."""
-    if not isinstance(value, _leaf.ComputedLeaf) or value.dtype_name != "float32":
+    if not isinstance(value, _leaf.ComputedLeaf) or value.dtype_name != "float32" or \
+            getattr(value, "asked_dtype", False):
         return None
     kinds, pending = set(), list(value.inputs)
     while pending:
@@ -400,16 +401,25 @@ class _Quantizing(QuantizedLeaf):
 
         kind = GGMLQuantizationType(self.kind)
         data = np.asarray(self._source, np.float32).reshape(-1, self.shape[-1])
-        if kind.name in _kquants.QUANTIZERS:  # (llama.cpp's reference quantizers, byte for byte)
-            quantize, steps_of, group = _kquants.QUANTIZERS[kind.name]
-            blocks = quantize(data).reshape(data.shape[0], -1)
-            step = steps_of(blocks)
-        else:  # (the gguf package's; these types start a block with its scale, a float16 d: the step)
-            blocks = quants.quantize(data, kind)
-            step, group = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(
-                np.float32))[:, 0], self._block
-        self.error = _largest_error(data, blocks, kind, step.reshape(data.shape[0], -1), group)
-        return blocks.reshape(-1)
+
+        def part_of(rows: Any) -> tuple[Any, tuple[float, float]]:
+            """A part's blocks, and their largest error (in steps, in value)."""
+            if kind.name in _kquants.QUANTIZERS:  # (llama.cpp's reference quantizers, byte for byte)
+                quantize, steps_of, group = _kquants.QUANTIZERS[kind.name]
+                blocks = quantize(rows.reshape(-1, _kquants.QK_K)).reshape(rows.shape[0], -1)
+                step = steps_of(blocks)
+            else:  # (the gguf package's; these types start a block with its scale, a float16 d: the step)
+                blocks = quants.quantize(rows, kind)
+                step, group = np.abs(blocks.reshape(-1, self._block_bytes)[:, :2].copy().view(np.float16).astype(
+                    np.float32))[:, 0], self._block
+            return blocks, _largest_error(rows, blocks, kind, step.reshape(rows.shape[0], -1), group)
+
+        # parts of whole rows, about as many values as the K-quants take at once, on every core
+        step = max(1, _kquants.PART_VALUES // data.shape[1])
+        made = _kquants.on_every_core(part_of, [data[start : start + step] for start in range(0, data.shape[0], step)])
+        errors = [error for _, error in made]
+        self.error = (max(e[0] for e in errors), max(e[1] for e in errors))
+        return np.concatenate([blocks.reshape(-1) for blocks, _ in made])
 
     def read_raw(self, start: int, stop: int):
         if self._blocks is None:

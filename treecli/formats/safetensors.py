@@ -12,7 +12,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from treecli import _atomic, _leaf
 from treecli._bytes import stream, writer
@@ -158,7 +158,7 @@ def _open_file(folder: Any, name: str) -> Checkpoint:
     folder's byte source, its leaves lazy byte ranges of it."""
     reader, (tensors, metadata, _) = _header(folder, name)
     items = [(key, tensor_leaf(reader, offset, shape, dtype)) for key, (dtype, shape, offset) in tensors.items()]
-    tree, warning = _flatkeys.nest(items, ".")
+    tree, warning = _flatkeys.nest(_logical(items, folder), ".")
     local = folder.local_path / name if folder.local_path is not None else None
     checkpoint = Checkpoint(tree=tree, format="safetensors", file=folder.named(name), metadata=dict(metadata),
                             origin=Origin("file", local, [local]) if local is not None else None)
@@ -199,7 +199,7 @@ def _open_sharded(folder: Any, index: str, file: str) -> Checkpoint:
         "sharded", local / index, [local / index] + [local / s for s in shards]))
     results = stream.map_at_once(lambda shard: _shard_header(folder, shard), shards, folder.parallel_reads)
     opened = {shard: (reader, tensors, metadata) for shard, (reader, (tensors, metadata, _)) in zip(shards, results)}
-    assemble_shards(checkpoint, weight_map, opened)
+    assemble_shards(checkpoint, weight_map, opened, lambda items: _logical(items, folder))
     if present is not None:
         stray = sorted(n for n in present if n.endswith(".safetensors") and n not in shards and not n.startswith("."))
         if stray:
@@ -230,9 +230,11 @@ def shard_names(text: str, file: str) -> tuple[dict[str, str], list[str]]:
     return weight_map, shards
 
 
-def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: dict[str, tuple]) -> None:
+def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: dict[str, tuple],
+                    logical: Callable[[list], list]) -> None:
     """Fill ``checkpoint`` from its shards' ``(reader, tensors, metadata)``, checking that
-    every tensor is in exactly the shard the index names."""
+    every tensor is in exactly the shard the index names; ``logical`` makes the tensors
+    the leaves read (``_logical``)."""
     file = checkpoint.file
     items: list[tuple[str, Any]] = []
     for shard, (reader, tensors, metadata) in opened.items():
@@ -251,9 +253,24 @@ def assemble_shards(checkpoint: Checkpoint, weight_map: dict[str, str], opened: 
         held = {name for name, _ in items}
         name, shard = next((name, shard) for name, shard in weight_map.items() if name not in held)
         raise FormatError(f"the index maps this tensor to shard {shard}, which does not hold it", file=file, keypath=name)
-    checkpoint.tree, warning = _flatkeys.nest(items, ".")
+    checkpoint.tree, warning = _flatkeys.nest(logical(items), ".")
     if warning:
         checkpoint.warnings.append(warning)
+
+
+def _logical(items: list[tuple[str, Any]], folder: Any) -> list[tuple[str, Any]]:
+    """The tensors as the weights they are: FP8 with block scales and MXFP4 as one leaf of
+    values each (``_blockscaled``), by the folder's ``config.json``, read only where a
+    tensor's name says it may be needed."""
+    from treecli.formats import _blockscaled
+
+    if not _blockscaled.wanted(name for name, _ in items):
+        return items
+    try:
+        config = folder.text("config.json")
+    except (OSError, UnicodeDecodeError, TreecliError):
+        config = None
+    return _blockscaled.logical_items(items, config)
 
 
 # ---------------------------------------------------------------------------

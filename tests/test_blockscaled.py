@@ -1,0 +1,215 @@
+"""Issue 43, item 3: block-quantized Hugging Face checkpoints read as the weights they are.
+FP8 with 128x128 block scales (as DeepSeek-V3 and Qwen3-FP8 ship: ``weight_scale_inv``)
+and MXFP4 (as gpt-oss ships: ``_blocks`` and ``_scales``), in tiny models made here in
+those shapes; transformers (its fine-grained FP8 and MXFP4 integrations, ``dequantize=True``)
+is the oracle for the values, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402  (torch's, for float8 tensors)
+
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def _fp8_model(directory, seed=0):
+    """A tiny Llama whose projections are FP8 in 128x128 blocks, as DeepSeek-V3's are: each
+    block's scale its largest magnitude over 448 (E4M3's largest)."""
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    tensors = {}
+    for name, weight in model.state_dict().items():
+        if not name.endswith("proj.weight"):
+            tensors[name] = weight.contiguous()
+            continue
+        rows, cols = weight.shape
+        blocks = weight.float().reshape(rows // 128, 128, cols // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        tensors[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale.float().contiguous()
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    settings = {**config.to_dict(), "dtype": "bfloat16", "quantization_config": FP8_CONFIG}
+    (directory / "config.json").write_text(json.dumps(settings))
+    return directory
+
+
+def _mxfp4_model(directory):
+    """A tiny gpt-oss whose experts are MXFP4, as gpt-oss's are: random FP4 pairs, exponents
+    about 2^0."""
+    config = transformers.GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2, max_position_embeddings=64,
+                                       layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, weight in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, inputs, outputs = weight.shape
+            tensors[name + "_blocks"] = torch.tensor(rng.integers(0, 256, (experts, outputs, inputs // 32, 16),
+                                                                  dtype=np.uint8))
+            tensors[name + "_scales"] = torch.tensor(rng.integers(118, 130, (experts, outputs, inputs // 32),
+                                                                  dtype=np.uint8))
+        else:
+            tensors[name] = weight.contiguous()
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    settings = {**config.to_dict(), "dtype": "bfloat16", "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    (directory / "config.json").write_text(json.dumps(settings))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    return _fp8_model(tmp_path_factory.mktemp("fp8") / "model")
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    return _mxfp4_model(tmp_path_factory.mktemp("mxfp4") / "model")
+
+
+def _dequantized_by_transformers(directory, config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=config)
+    return {name: value.float().numpy() for name, value in model.state_dict().items()}
+
+
+def _flat(tree):
+    from treecli import _tree
+
+    return {".".join(map(str, keypath)): np.asarray(leaf) for keypath, leaf in _tree.flatten(tree)}
+
+
+def _same_bits(ours, theirs):
+    return ours.shape == theirs.shape and np.array_equal(ours.astype(np.float32).view(np.uint32),
+                                                          theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "mxfp4"])
+def test_block_scaled_weights_read_as_transformers_dequantizes_them(fp8, mxfp4, scheme):
+    import treecli
+
+    directory = fp8 if scheme == "fp8" else mxfp4
+    config = transformers.FineGrainedFP8Config(dequantize=True) if scheme == "fp8" else \
+        transformers.Mxfp4Config(dequantize=True)
+    expected = _dequantized_by_transformers(directory, config)
+    ours = _flat(treecli.load(directory))
+    assert sorted(ours) == sorted(expected)  # (no scales, blocks or scale_inv left beside the weights)
+    for name, values in expected.items():
+        assert ours[name].dtype == ml_dtypes.bfloat16 and _same_bits(ours[name], values), name
+
+
+def test_show_names_the_scheme_and_the_logical_dtype(cli, fp8, mxfp4):
+    result = cli("show", fp8, "--json")
+    assert result.code == 0, result.stderr
+    leaves = {leaf["keypath"]: leaf for leaf in json.loads(result.stdout)["leaves"]}
+    down = leaves["model.layers.0.mlp.down_proj.weight"]
+    assert down["dtype"] == "bfloat16" and down["stored_dtype"] == "FP8 128x128"
+    assert down["stored_nbytes"] == 256 * 384 + 2 * 3 * 4  # (the FP8 bytes and the float32 scales)
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in leaves
+    text = cli("show", fp8).stdout
+    assert "FP8 128x128" in text and "bfloat16" in text
+    gpt_oss = {leaf["keypath"]: leaf for leaf in json.loads(cli("show", mxfp4, "--json").stdout)["leaves"]}
+    experts = gpt_oss["model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts["stored_dtype"] == "MXFP4" and experts["shape"] == [4, 64, 192]
+
+
+def test_a_copy_keeps_the_blocks_and_a_cast_writes_plain_weights_transformers_loads(cli, fp8, tmp_path):
+    copy = cli("convert", fp8, tmp_path / "copy")
+    assert copy.code == 0 and "bit-exact" in copy.stderr, copy.stderr
+    with safe_open(fp8 / "model.safetensors", "np") as a, safe_open(tmp_path / "copy" / "model.safetensors", "np") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["quantization_config"] == FP8_CONFIG
+    plain = cli("convert", fp8, tmp_path / "plain", "--dtype", "bfloat16")
+    assert plain.code == 0, plain.stderr
+    assert "14 weights stored FP8 128x128 are written as plain values" in plain.stderr
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 2
+    with safe_open(tmp_path / "plain" / "model.safetensors", "np") as f:
+        assert not [k for k in f.keys() if k.endswith("_scale_inv")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    expected = _dequantized_by_transformers(fp8, transformers.FineGrainedFP8Config(dequantize=True))
+    for name, value in loaded.state_dict().items():
+        assert _same_bits(value.float().numpy(), expected[name]), name
+    assert cli("diff", fp8, tmp_path / "plain").code == 0
+
+
+def test_an_average_of_fp8_checkpoints_averages_their_values(cli, fp8, tmp_path):
+    import treecli
+
+    other = _fp8_model(tmp_path / "other", seed=1)
+    result = cli("average", fp8, other, "-o", tmp_path / "mean", "--dtype", "float32")
+    assert result.code == 0, result.stderr
+    a, b, mean = _flat(treecli.load(fp8)), _flat(treecli.load(other)), _flat(treecli.load(tmp_path / "mean"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_allclose(mean[name], (a[name].astype(np.float32) + b[name].astype(np.float32)) / 2, rtol=1e-6)
+    assert "quantization_config" not in json.loads((tmp_path / "mean" / "config.json").read_text())
+
+
+def test_an_edit_of_one_fp8_weight_writes_every_weight_plain_and_says_so(cli, fp8, tmp_path):
+    import treecli
+
+    result = cli("edit", fp8, "-o", tmp_path / "edited", "--scale", "model.layers.0.mlp.down_proj.weight=2")
+    assert result.code == 0, result.stderr
+    assert "14 weights stored FP8 128x128 are written as plain values" in result.stderr
+    before, after = _flat(treecli.load(fp8)), _flat(treecli.load(tmp_path / "edited"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert np.array_equal(after[name].astype(np.float32), before[name].astype(np.float32) * 2)
+    assert _same_bits(after["model.layers.1.mlp.up_proj.weight"],
+                      before["model.layers.1.mlp.up_proj.weight"].astype(np.float32))
+
+
+def test_scales_that_do_not_fit_their_weight_leave_both_as_stored(cli, tmp_path):
+    """A scale grid that is not the weight's (a hostile or foreign file): nothing is
+    computed from it; both tensors read as the bytes they are."""
+    weight = torch.zeros(256, 256).to(torch.float8_e4m3fn)
+    save_file({"w.weight": weight, "w.weight_scale_inv": torch.ones(3, 5)}, str(tmp_path / "odd.safetensors"))
+    result = cli("show", tmp_path / "odd.safetensors")
+    assert result.code == 0 and "float8_e4m3fn" in result.stdout and "weight_scale_inv" in result.stdout
+    save_file({"e_blocks": torch.zeros(2, 4, 2, 15, dtype=torch.uint8), "e_scales": torch.zeros(2, 4, 2, dtype=torch.uint8)},
+              str(tmp_path / "odd_mx.safetensors"))
+    assert "e_blocks" in cli("show", tmp_path / "odd_mx.safetensors").stdout
+
+
+def test_a_broken_config_json_beside_fp8_weights_is_not_fatal(cli, fp8, tmp_path):
+    import shutil
+
+    shutil.copytree(fp8, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    result = cli("show", tmp_path / "m")  # (the block size from the scales' grid)
+    assert result.code == 0 and "FP8 128x128" in result.stdout, result.stderr
+    broken = cli("convert", tmp_path / "m", tmp_path / "plain", "--dtype", "bfloat16")
+    assert broken.code == 0, broken.stderr  # (config.json copied as it is: not JSON treecli can rewrite)
+    assert (tmp_path / "plain" / "config.json").read_text() == "{not json"
+
+
+def test_a_renamed_fp8_weight_keeps_its_blocks_under_its_new_name(cli, fp8, tmp_path):
+    result = cli("edit", fp8, "-o", tmp_path / "renamed", "--rename",
+                 "model.layers.0.mlp.down_proj.weight=model.layers.0.mlp.w2.kernel")
+    assert result.code == 0, result.stderr
+    with safe_open(tmp_path / "renamed" / "model.safetensors", "pt") as f, \
+            safe_open(fp8 / "model.safetensors", "pt") as original:
+        assert f.get_tensor("model.layers.0.mlp.w2.kernel").dtype == torch.float8_e4m3fn
+        assert torch.equal(f.get_tensor("model.layers.0.mlp.w2.kernel_scale_inv"),
+                           original.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv"))
+        assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in f.keys()
