@@ -121,7 +121,13 @@ def _sequential_sum(terms: Any) -> Any:
 
 def _column_sum(columns: Any) -> Any:
     """Each column's sum, the rows added one at a time from the first (each group's terms
-    in the reference's order; ten times ``np.add.accumulate``'s speed along short rows)."""
+    in the reference's order). NumPy's reduction over the first axis of a C-ordered array
+    of several columns adds so, a row at a time into the sums (it adds pairwise only along
+    the contiguous axis: a single column's rows, summed here one at a time instead)."""
+    import numpy as np
+
+    if columns.ndim == 2 and columns.shape[1] >= 8 and columns.flags.c_contiguous:
+        return np.add.reduce(columns, axis=0)
     total = columns[0].copy()
     for row in columns[1:]:
         total += row
@@ -153,33 +159,39 @@ def _make_qx_quants(x: Any, nmax: int) -> tuple[Any, Any]:
     weighted_x = weights * xt  # (w * x, the first product of the reference's w*x[i]*l)
     work, as_float = np.empty_like(xt), np.empty_like(xt)
 
-    def attempt(iscale):
+    def levels_at(iscale: Any) -> Any:
+        """``MAX(-nmax, MIN(nmax - 1, nearest_int(iscale * x)))`` (int32, in ``work``'s memory)."""
         np.multiply(xt, iscale, out=work)
         np.add(work, f32(12582912.0), out=work)  # (nearest_int's bits, as _nearest_int)
         levels = work.view(np.int32)
         levels &= 0x007FFFFF
         levels -= 0x00400000
         np.clip(levels, -nmax, nmax - 1, out=levels)
-        np.copyto(as_float, levels, casting="unsafe")
-        levels = levels.copy()
+        return levels
+
+    def attempt(iscale):
+        np.copyto(as_float, levels_at(iscale), casting="unsafe")
         np.multiply(weighted_x, as_float, out=work)
         sumlx = _column_sum(work)
         np.multiply(weights, as_float, out=work)
         np.multiply(work, as_float, out=work)
-        return levels, sumlx, _column_sum(work)
+        return sumlx, _column_sum(work)
 
-    levels, sumlx, suml2 = attempt(f32(-nmax) / safe)
+    # (the levels a group keeps are made again from the scale that fit best, once all are tried)
+    best_iscale = f32(-nmax) / safe
+    sumlx, suml2 = attempt(best_iscale)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, f32(1)), f32(0))
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        tried, sumlx, suml2 = attempt(-(f32(nmax) + f32(0.1) * f32(step)) / safe)
+        iscale = -(f32(nmax) + f32(0.1) * f32(step)) / safe
+        sumlx, suml2 = attempt(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        np.copyto(levels, tried, where=better)
+        best_iscale = np.where(better, iscale, best_iscale)
         scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, f32(1)), scale)
         best = np.where(better, scale * sumlx, best)
-    levels = np.where(empty, 0, levels + nmax).T
+    levels = np.where(empty, 0, levels_at(best_iscale) + nmax).T
     return np.where(empty, f32(0), scale), levels
 
 
@@ -322,8 +334,12 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
 
     levels_at(iscale, levels)
     best = error_of(scale, low, levels)
+    # the levels a group keeps are those of the step that fit best: made again from that step's
+    # iscale and min once all are tried (cheaper than keeping them step by step)
+    best_iscale, best_low = iscale, low
     for step in range(nstep + 1):  # (``min`` moves as better fits are found: so does ``max - min``)
-        levels_at((rmin + rdelta * f32(step) + f32(nmax)) / np.where(flat, f32(1), high - low), tried)
+        iscale = (rmin + rdelta * f32(step) + f32(nmax)) / np.where(flat, f32(1), high - low)
+        levels_at(iscale, tried)
         np.multiply(wt, tried, out=weighted)
         sum_l = _column_sum(weighted)
         np.multiply(weighted, tried, out=work)
@@ -340,12 +356,14 @@ def _make_qkx2_quants(x: Any, weights: Any, nmax: int, rmin: Any, rdelta: Any, n
         this_scale = np.where(clamped, sum_xl / np.where(sum_l2 != 0, sum_l2, f32(1)), this_scale)
         error = error_of(this_scale, this_min, tried)
         better = solvable & (error < best)
-        np.copyto(levels, tried, where=better)
+        best_iscale, best_low = np.where(better, iscale, best_iscale), np.where(better, low, best_low)
         best = np.where(better, error, best)
         scale = np.where(better, this_scale, scale)
         low = np.where(better, this_min, low)
+    low, final_min = best_low, low
+    levels_at(best_iscale, levels)
     levels = np.where(flat, 0, levels.astype(np.int32)).T
-    return np.where(flat, f32(0), scale), -low, levels
+    return np.where(flat, f32(0), scale), -final_min, levels
 
 
 def quantize_q3_k(data: Any) -> Any:
