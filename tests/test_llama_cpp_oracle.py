@@ -163,3 +163,15 @@ def test_every_mix_is_llama_quantize_s_tensor_for_tensor(cli, tmp_path, sixteen_
         assert np.asarray(tensor.data).tobytes() == np.asarray(theirs[tensor.name].data).tobytes(), tensor.name
     file_type = [f for f in (ours.fields["general.file_type"], ref.fields["general.file_type"])]
     assert int(file_type[0].parts[-1][0]) == int(file_type[1].parts[-1][0])
+
+
+def test_llama_cpp_runs_a_split_gguf_treecli_wrote(cli, tmp_path):
+    """Issue 43, item 6: the shards of -o DIR --format gguf --max-shard-size are llama-gguf-split's:
+    llama.cpp loads them from the first and computes what it computes from the one file."""
+    model = _build(tmp_path / "m", "llama")
+    assert cli("convert", model, tmp_path / "one.gguf", "--recipe", "llama.cpp").code == 0
+    result = cli("convert", tmp_path / "one.gguf", tmp_path / "split", "--format", "gguf", "--max-shard-size", "40KB")
+    assert result.code == 0, result.stderr
+    shards = sorted((tmp_path / "split").iterdir())
+    assert len(shards) > 2
+    np.testing.assert_array_equal(np.array(_run(shards[0])["logits"]), np.array(_run(tmp_path / "one.gguf")["logits"]))

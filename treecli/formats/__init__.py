@@ -266,7 +266,7 @@ def _name_the_model(checkpoint: Checkpoint, fmt: Format, folder: Any) -> None:
 # local directory, a bucket prefix, an HTTP directory or Hub repository): an HF
 # directory's safetensors weights, a DCP checkpoint, an HF directory's PyTorch weights
 # (transformers' own preference after safetensors), its Flax weights, an Orbax checkpoint.
-DIRECTORIES = ("safetensors", "dcp", "torch", "msgpack", "orbax")
+DIRECTORIES = ("safetensors", "dcp", "torch", "msgpack", "orbax", "gguf")
 
 
 def detect_folder(folder: Any, step: int | None = None) -> Format:

@@ -18,6 +18,7 @@ from typing import Any
 from treecli import _leaf
 from treecli._bytes import writer
 from treecli._bytes.writer import Digest
+from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 from treecli.formats import _flatkeys
 from treecli.formats._base import WriteOptions
@@ -30,6 +31,10 @@ GGML_MAX_DIMS = 4
 
 
 def write(tree: Any, target: Path, options: WriteOptions) -> None:
+    """One GGUF file; or, into a directory (``-o DIR --format gguf --max-shard-size``), the
+    shards llama-gguf-split writes: ``model-00001-of-00003.gguf``, ..., each at most
+    ``max_shard_size`` bytes of tensors (a bigger tensor alone), the first with the
+    metadata, every one with ``split.no``, ``split.count`` and ``split.tensors.count``."""
     entries = _entries(tree, str(target), options)
     metadata = dict(options.metadata)
     mixes = {leaf.mix for _, leaf in entries if getattr(leaf, "mix", None) and not getattr(leaf, "requantized", False)}
@@ -37,14 +42,52 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
         from gguf import LlamaFileType
 
         metadata["general.file_type"] = MetaValue(4, int(LlamaFileType[f"MOSTLY_{mixes.pop().upper()}"]))
+    if not target.is_dir():
+        if options.max_shard_size is not None:
+            raise UsageError("a .gguf output is one file; to split it into shards as llama-gguf-split does, name a "
+                             "directory: -o DIR --format gguf --max-shard-size SIZE", file=str(target))
+        _write_file(target, entries, metadata, options)
+        return
+    shards = _shards(entries, options.max_shard_size, _alignment(metadata.get("general.alignment")))
+    for index, shard in enumerate(shards):
+        split = {"split.no": MetaValue(2, index), "split.count": MetaValue(2, len(shards)),
+                 "split.tensors.count": MetaValue(5, len(entries))}
+        shard_metadata = {**metadata, **split} if index == 0 else split
+        _write_file(target / split_name(index, len(shards)), shard, shard_metadata, options)
+
+
+def split_name(index: int, count: int) -> str:
+    """The name of shard ``index`` (from 0) of a split GGUF directory."""
+    return f"model-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def _shards(entries: list[tuple[str, Any]], limit: int | None, alignment: int) -> list[list[tuple[str, Any]]]:
+    """The tensors in order, a new shard where the next one's bytes would pass ``limit``
+    (as llama-gguf-split counts them: each tensor's bytes padded to the alignment)."""
+    shards: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, leaf in entries:
+        nbytes = -(-_nbytes(leaf) // alignment) * alignment
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, leaf))
+        size += nbytes
+    return shards
+
+
+def _nbytes(leaf: Any) -> int:
+    return leaf.raw_nbytes if isinstance(leaf, QuantizedLeaf) else leaf.nbytes
+
+
+def _write_file(target: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
     alignment = _alignment(metadata.get("general.alignment"))
     infos, offset = [], 0
     for name, leaf in entries:
         kind = leaf.kind if isinstance(leaf, QuantizedLeaf) else _TYPE_OF[leaf.dtype_name]
-        nbytes = leaf.raw_nbytes if isinstance(leaf, QuantizedLeaf) else leaf.nbytes
         infos.append(_string(name) + struct.pack("<I", len(leaf.shape)) +
                      b"".join(struct.pack("<Q", d) for d in reversed(leaf.shape)) + struct.pack("<IQ", kind, offset))
-        offset += -(-nbytes // alignment) * alignment
+        offset += -(-_nbytes(leaf) // alignment) * alignment
     head = MAGIC + struct.pack("<IQQ", 3, len(entries), len(metadata)) + \
         b"".join(_string(key) + _typed(value) for key, value in metadata.items()) + b"".join(infos)
     with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
@@ -53,12 +96,10 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
         for name, leaf in entries:
             if isinstance(leaf, QuantizedLeaf):
                 _write_blocks(f, leaf, options)
-                nbytes = leaf.raw_nbytes
             else:
                 writer.write_leaf(f, leaf, file=str(target), keypath=name, writeback=writeback,
                                   progress=options.progress, digests=options.digests)
-                nbytes = leaf.nbytes
-            f.write(b"\0" * (-nbytes % alignment))
+            f.write(b"\0" * (-_nbytes(leaf) % alignment))
 
 
 def _write_blocks(f: Any, leaf: QuantizedLeaf, options: WriteOptions) -> None:

@@ -15,6 +15,7 @@ first; a leaf's shape is NumPy's, the reverse. Names nest on ``.`` as safetensor
 from __future__ import annotations
 
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -67,48 +68,142 @@ class GgufFormat(Format):
 
     def open(self, path: Path, *, like: Any = None, step: int | None = None) -> Checkpoint:
         path = Path(path)
+        if path.is_dir():
+            return self.open_folder(LocalFolder(path), step=step)
         return self.open_folder(LocalFolder(path.parent), step=step, entry=path.name)
+
+    def in_folder(self, folder: Any) -> str | None:
+        """A directory of one split GGUF's shards (what ``-o DIR --format gguf`` writes)."""
+        return None if folder.listable and _first_shard(folder) else "no split GGUF shards (NAME-00001-of-N.gguf)"
+
+    def owns(self, name: str) -> bool:
+        return _SPLIT_NAME.fullmatch(name) is not None
 
     def open_folder(self, folder: Any, *, step: int | None = None, entry: str | None = None) -> Checkpoint:
         """A GGUF file (``entry``) anywhere, read by byte ranges through the folder: its
-        header now, its tensors lazy ranges of it."""
+        header now, its tensors lazy ranges of it; a split GGUF's shards, by any of them
+        (or by their directory), as one checkpoint."""
+        if entry is None and step is None and folder.listable:
+            entry = _first_shard(folder)
         if entry is None or step is not None:
             return super().open_folder(folder, step=step, entry=entry)
-        reader = folder.reader(entry)
-        if reader.size is None:  # (a bucket's answers say no size)
+        reader = _sized_reader(folder, entry)
+        try:
+            header = _Header(reader)
+        except BaseException:
             reader.close()
-            raise UsageError("treecli reads GGUF files over HTTP and from the Hub; from a bucket, copy the file "
-                             "here first", file=folder.named(entry))
-        return _open_source(reader)
+            raise
+        count = _split_count(header, folder.named(entry))
+        if count <= 1:
+            return _checkpoint([(reader, header)], reader.path)
+        return _open_split(folder, entry, count, reader, header)
 
 
-def _open_source(reader: Any) -> Checkpoint:
-    """A GGUF file in a byte source of known ``size``: its header read by ranges, its
-    tensors lazy ranges of it."""
-    checkpoint = Checkpoint(tree=None, format=GgufFormat.name, file=reader.path)
-    checkpoint._closers.append(reader.close)
-    header = _Header(reader)
-    items, quantized = [], {}
-    for name, dims, kind, offset in header.tensors:
-        shape = tuple(reversed(dims))
-        if kind in ARRAYS and header.order == ">":
-            items.append((name, _BigEndianLeaf(reader, offset, shape, ARRAYS[kind])))
-        elif kind in ARRAYS:
-            items.append((name, FileArrayLeaf(reader, offset, shape, ARRAYS[kind])))
-        elif header.order == ">":  # (llama.cpp swaps a block's scales, not its packed values: no rule to read it by)
-            items.append((name, _leaf.Unreadable(f"a {type_name(kind)} tensor {list(shape)}",
-                                                 "quantized blocks of a big-endian file")))
-        else:
-            items.append((name, QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind], name)))
-            quantized[type_name(kind)] = quantized.get(type_name(kind), 0) + 1
+def _sized_reader(folder: Any, name: str) -> Any:
+    reader = folder.reader(name)
+    if reader.size is None:  # (a bucket's answers say no size)
+        reader.close()
+        raise UsageError("treecli reads GGUF files over HTTP and from the Hub; from a bucket, copy the file "
+                         "here first", file=folder.named(name))
+    return reader
+
+
+# llama-gguf-split's shards: NAME-00001-of-00003.gguf, each with split.no (from 0) and split.count; the
+# first holds the metadata, and every shard split.tensors.count, the tensors of all
+_SPLIT_NAME = re.compile(r"(.+)-([0-9]{5})-of-([0-9]{5})\.gguf")
+_SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+
+def _first_shard(folder: Any) -> str | None:
+    """The first shard of the one split GGUF a directory holds (None: none, or several)."""
+    firsts = [name for name in folder.files() if (m := _SPLIT_NAME.fullmatch(name)) and m.group(2) == "00001"]
+    return firsts[0] if len(firsts) == 1 else None
+
+
+def _split_count(header: "_Header", file: str) -> int:
+    value = header.metadata.get("split.count")
+    if value is None:
+        return 1
+    if value.kind not in SCALARS or isinstance(value.value, float) or not 1 <= int(value.value) <= 99999:
+        raise FormatError(f"split.count is {str(value)[:40]!r}, not a number of shards from 1 to 99999", file=file)
+    return int(value.value)
+
+
+def _open_split(folder: Any, entry: str, count: int, reader: Any, header: "_Header") -> Checkpoint:
+    """The shards of a split GGUF (``entry`` any of them), read as one checkpoint: every
+    shard's header checked against the others before any is trusted."""
+    file = folder.named(entry)
+    named = _SPLIT_NAME.fullmatch(entry)
+    if named is None or int(named.group(3)) != count:
+        reader.close()
+        raise FormatError(f"one of {count} shards (split.count), but not named NAME-0000K-of-{count:05d}.gguf: the "
+                          "others cannot be found", file=file)
+    opened = {int(named.group(2)) - 1: (reader, header)}
+    try:
+        for index in range(count):
+            if index not in opened:
+                name = f"{named.group(1)}-{index + 1:05d}-of-{count:05d}.gguf"
+                shard = _sized_reader(folder, name)
+                try:
+                    opened[index] = (shard, _Header(shard))
+                except BaseException:
+                    shard.close()
+                    raise
+        shards = [opened[index] for index in range(count)]
+        total = sum(len(h.tensors) for _, h in shards)
+        for index, (shard, shard_header) in enumerate(shards):
+            meta = shard_header.metadata
+            no, declared = meta.get("split.no"), meta.get("split.tensors.count")
+            if no is None or no.value != index or _split_count(shard_header, shard.path) != count:
+                raise FormatError(f"split.no is {str(no)[:20]} and split.count {str(meta.get('split.count'))[:20]}; "
+                                  f"its name makes it shard {index} (from 0) of {count}", file=shard.path)
+            if declared is None or declared.value != total:
+                raise FormatError(f"split.tensors.count is {str(declared)[:20]}, but the {count} shards hold "
+                                  f"{total} tensors", file=shard.path)
+        return _checkpoint(shards, folder.named(f"{named.group(1)}-00001-of-{count:05d}.gguf"))
+    except BaseException:
+        for shard, _ in opened.values():
+            shard.close()
+        raise
+
+
+def _checkpoint(shards: list[tuple[Any, "_Header"]], file: str) -> Checkpoint:
+    """A GGUF checkpoint of one file, or of a split file's shards (in order: the first's
+    metadata, without the split keys, is the checkpoint's); its tensors lazy ranges."""
+    checkpoint = Checkpoint(tree=None, format=GgufFormat.name, file=file)
+    items, quantized, seen = [], {}, set()
+    for reader, header in shards:
+        checkpoint._closers.append(reader.close)
+        for name, dims, kind, offset in header.tensors:
+            if name in seen:
+                raise FormatError("two shards hold a tensor of this name", file=reader.path, keypath=name)
+            seen.add(name)
+            items.append((name, _tensor_leaf(reader, header, name, dims, kind, offset)))
+            if kind not in ARRAYS:
+                quantized[type_name(kind)] = quantized.get(type_name(kind), 0) + 1
     checkpoint.tree, warning = _flatkeys.nest(items, ".")
     checkpoint.warnings.extend([warning] if warning else [])
-    checkpoint.metadata = header.metadata
-    checkpoint.model = _model.from_gguf(header.metadata)
+    metadata = shards[0][1].metadata
+    checkpoint.metadata = {k: v for k, v in metadata.items() if k not in _SPLIT_KEYS} if len(shards) > 1 \
+        else metadata
+    checkpoint.model = _model.from_gguf(metadata)
+    if len(shards) > 1:
+        checkpoint.info["shards"] = f"{len(shards)} files (llama-gguf-split's), read as one"
     if quantized:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(quantized.items()))
         checkpoint.info["quantized"] = f"{kinds} (float32 leaves, dequantized when read)"
     return checkpoint
+
+
+def _tensor_leaf(reader: Any, header: "_Header", name: str, dims: list[int], kind: int, offset: int) -> Any:
+    shape = tuple(reversed(dims))
+    if kind in ARRAYS and header.order == ">":
+        return _BigEndianLeaf(reader, offset, shape, ARRAYS[kind])
+    if kind in ARRAYS:
+        return FileArrayLeaf(reader, offset, shape, ARRAYS[kind])
+    if header.order == ">":  # (llama.cpp swaps a block's scales, not its packed values: no rule to read it by)
+        return _leaf.Unreadable(f"a {type_name(kind)} tensor {list(shape)}", "quantized blocks of a big-endian file")
+    return QuantizedLeaf(reader, offset, shape, kind, header.sizes[kind], name)
 
 
 class _Header:
