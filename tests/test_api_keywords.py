@@ -127,5 +127,5 @@ def test_cast_and_quantize_are_convert_s_dtype_as_library_calls(tmp_path):
     assert api == cli and api["w"][0] == "Q8_0" and api["b"][0] == "F32"
     # read, a quantized leaf holds what a GGUF reader gets back
     assert np.asarray(quantized["w"]).tobytes() == np.asarray(treecli.load(tmp_path / "api.gguf")["w"]).tobytes()
-    with pytest.raises(treecli.UsageError, match="cannot quantize to 'iq4_nl'"):
-        treecli.quantize(weights, "iq4_nl")
+    with pytest.raises(treecli.UsageError, match="cannot quantize to 'iq3_s'"):
+        treecli.quantize(weights, "iq3_s")

@@ -377,20 +377,20 @@ def test_a_value_edit_of_a_quantized_tensor_writes_it_back_in_its_own_type(cli, 
     assert tensors["blk.1.q4_k.weight"].tensor_type == Q.Q4_K
     from treecli.formats import _kquants
 
-    low_bits = tmp_path / "low.gguf"  # Q3_K and Q2_K, written since; IQ4_NL, a type treecli does not write yet
+    low_bits = tmp_path / "low.gguf"  # Q3_K and Q2_K, written since; IQ3_S, a type treecli does not write yet
     writer = gguf.GGUFWriter(str(low_bits), "llama")
     values = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     for name, kind in (("q3", Q.Q3_K), ("q2", Q.Q2_K)):
         blocks = getattr(_kquants, f"quantize_{kind.name.lower()}")(values).reshape(2, -1)
         writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
-    data = random_blocks(Q.IQ4_NL, 2, 8, np.random.default_rng(0))
-    writer.add_tensor("iq", data, raw_shape=data.shape, raw_dtype=Q.IQ4_NL)
+    data = random_blocks(Q.IQ3_S, 2, 1, np.random.default_rng(0))
+    writer.add_tensor("iq", data, raw_shape=data.shape, raw_dtype=Q.IQ3_S)
     finished(writer)
     lossy = cli("edit", low_bits, "-o", tmp_path / "f32.gguf", "--scale", "*=2")
     assert lossy.code == 0, lossy.stderr
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors}
     assert tensors["iq"].tensor_type == Q.F32
-    assert "1 tensor stored IQ4_NL is written F32: treecli does not write IQ4_NL yet" in lossy.stderr
+    assert "1 tensor stored IQ3_S is written F32: treecli does not write IQ3_S yet" in lossy.stderr
     for name, kind in (("q3", Q.Q3_K), ("q2", Q.Q2_K)):
         before = quants.dequantize(getattr(_kquants, f"quantize_{kind.name.lower()}")(values).reshape(2, -1), kind)
         assert tensors[name].tensor_type == kind and f"requantized to {kind.name}: 1 tensor" in lossy.stderr

@@ -19,9 +19,11 @@ from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 GOLDEN = np.load(Path(__file__).parent / "data" / "kquants" / "golden.npz")
 
 
-@pytest.mark.parametrize("kind", ["q6_k", "q5_k", "q4_k", "q3_k", "q2_k"])
+@pytest.mark.parametrize("kind", ["q6_k", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"])
 def test_k_quant_blocks_are_the_reference_quantizer_s_byte_for_byte(kind):
-    quantize = getattr(_kquants, f"quantize_{kind}")
+    from treecli.formats import _iquants
+
+    quantize = getattr(_kquants if kind.startswith("q") else _iquants, f"quantize_{kind}")
     for row, values in enumerate(GOLDEN["inputs"]):
         assert quantize(values).tobytes() == GOLDEN[kind][row].tobytes(), row
 
@@ -38,7 +40,7 @@ def test_q6_k_blocks_read_back_within_half_a_step():
 
 
 @pytest.mark.parametrize("kind, fallback", [("q6_k", "Q8_0"), ("q5_k", "Q5_1"), ("q4_k", "Q5_0"), ("q3_k", "Q4_0"),
-                                            ("q2_k", "Q4_0")])
+                                            ("q2_k", "Q4_0"), ("iq4_xs", "IQ4_NL")])
 def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path, kind, fallback):
     rng = np.random.default_rng(0)
     wide, narrow = rng.standard_normal((4, 512)).astype(np.float32), rng.standard_normal((4, 64)).astype(np.float32)
@@ -48,7 +50,10 @@ def test_convert_writes_k_quants_and_falls_back_as_llama_cpp_does(cli, tmp_path,
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     assert tensors["wide"].tensor_type == Q[kind.upper()] and tensors["narrow"].tensor_type == Q[fallback]
     assert tensors["bias"].tensor_type == Q.F32
-    assert np.asarray(tensors["wide"].data).tobytes() == getattr(_kquants, f"quantize_{kind}")(wide).tobytes()
+    from treecli.formats import _iquants
+
+    module = _kquants if kind.startswith("q") else _iquants
+    assert np.asarray(tensors["wide"].data).tobytes() == getattr(module, f"quantize_{kind}")(wide).tobytes()
     assert f"1 tensor quantized to {kind.upper()} is within" in result.stderr
     assert f"1 tensor quantized to {fallback} is within" in result.stderr
 
@@ -224,14 +229,15 @@ def test_a_verified_quantized_write_quantizes_each_tensor_once_and_still_checks_
     """The verification checks the blocks written against the digest of the blocks made (not
     by making them again: that doubled a quantized write's time), and still catches a
     block that differs on disk."""
-    from treecli.formats import _gguf_write, _kquants as module
+    from treecli.formats import _gguf_write
+    from treecli.formats import gguf as module
 
     rng = np.random.default_rng(0)
     save_file({f"blk.{i}.ffn_up.weight": rng.standard_normal((8, 512)).astype(np.float32) for i in range(3)},
               str(tmp_path / "m.safetensors"))
     made = []
-    quantize, steps, group = module.QUANTIZERS["Q4_K"]
-    monkeypatch.setitem(module.QUANTIZERS, "Q4_K", (lambda data: made.append(1) or quantize(data), steps, group))
+    quantize, steps, group = module._REFERENCE["Q4_K"]
+    monkeypatch.setitem(module._REFERENCE, "Q4_K", (lambda data: made.append(1) or quantize(data), steps, group))
     result = cli("convert", tmp_path / "m.safetensors", tmp_path / "m.gguf", "--dtype", "q4_k")
     assert result.code == 0 and "3 tensors quantized to Q4_K are within" in result.stderr, result.stderr
     assert len(made) == 3

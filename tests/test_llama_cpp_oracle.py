@@ -144,7 +144,7 @@ def sixteen_layers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mix", ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
-                                 "q6_k", "q8_0", "q4_0", "q5_1"])
+                                 "q6_k", "q8_0", "q4_0", "q5_1", "iq4_nl", "iq4_xs"])
 def test_every_mix_is_llama_quantize_s_tensor_for_tensor(cli, tmp_path, sixteen_layers, mix):
     """treecli's --dtype MIX beside llama.cpp's own quantizer on the same F32 GGUF: each
     tensor's type and blocks the same, byte for byte, and general.file_type the mix."""

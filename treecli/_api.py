@@ -258,7 +258,8 @@ def cast(tree: Any, dtype: str) -> tuple[Any, Any]:
 def quantize(tree: Any, kind: str, tensor_types: dict[str, str] | None = None) -> Any:
     """Any pytree with its float weights quantized under ``kind``, llama-quantize's mix
     (``q4_k_m``, ``q5_k_m``, ``q3_k_s``/``m``/``l``, ``q4_k_s``, ``q5_k_s``, ``q2_k``,
-    ``q6_k``, ``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``; ``q3_k``, ``q4_k`` and ``q5_k``
+    ``q6_k``, ``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``, ``iq4_nl``, ``iq4_xs``; ``q3_k``,
+    ``q4_k`` and ``q5_k``
     its aliases of the ``_m`` mixes): each tensor's type by its llama.cpp name and layer,
     as llama.cpp's quantizer picks it, where it would quantize (two or more dimensions,
     rows of whole blocks, not a norm). ``tensor_types`` maps regexes to types (``{"attn_v":

@@ -29,11 +29,12 @@ def convert(
     format: opt.OutputFormatOpt = None,
     dtype: opt.dtype_option("Cast floating-point leaves to this dtype; into a .gguf output, llama-quantize's "
                             "mixes (q4_k_m, q5_k_m, q3_k_s/m/l, q4_k_s, q5_k_s, q2_k, q6_k, q8_0, q5_1, q5_0, "
-                            "q4_1, q4_0; q3_k, q4_k, q5_k its aliases of the _m mixes) quantize the weights "
+                            "q4_1, q4_0, iq4_nl, iq4_xs; q3_k, q4_k, q5_k its aliases of the _m mixes) quantize "
+                            "the weights "
                             "tensor by tensor as llama-quantize does.") = None,
     tensor_type: Annotated[Optional[list[str]], typer.Option(
         "--tensor-type", help="With a quantizing --dtype: REGEX=TYPE quantizes the tensors whose llama.cpp "
-        "name the regex is found in to TYPE (q8_0 ... q2_k), before the mix (llama-quantize's option); "
+        "name the regex is found in to TYPE (q8_0 ... q2_k, iq4_nl, iq4_xs), before the mix (llama-quantize's option); "
         "repeatable, the first match wins.", show_default=False, metavar="REGEX=TYPE")] = None,
     max_shard_size: opt.MaxShardOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip re-reading the output to check every "

@@ -24,9 +24,10 @@ SCALARS = {0: ("<B", "uint8"), 1: ("<b", "int8"), 2: ("<H", "uint16"), 3: ("<h",
            5: ("<i", "int32"), 6: ("<f", "float32"), 7: ("<?", "bool"), 10: ("<Q", "uint64"), 11: ("<q", "int64"),
            12: ("<d", "float64")}
 STRING, ARRAY = 8, 9
-# The quantized types treecli writes, as `--dtype` names them (the K-quants by llama.cpp's
-# reference quantizers, in _kquants.py; the others by the gguf package)
-WRITTEN_QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
+# The quantized types treecli writes, as `--dtype` names them (the K-quants and IQ4 by llama.cpp's
+# reference quantizers, in _kquants.py and _iquants.py; the others by the gguf package)
+WRITTEN_QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_nl", "iq4_xs", "q3_k",
+                         "q2_k")
 
 
 class MetaValue(str):

@@ -8,7 +8,7 @@ Overrides (``--tensor-type REGEX=TYPE``, llama-quantize's own option) come first
 first pattern found in a tensor's name gives its type.
 
 Rules llama.cpp keeps for architectures treecli does not convert (Falcon's, GLM's) and
-for the mixes that need an importance matrix (IQ*, Q2_K_S) are not here.
+for the mixes that need an importance matrix (IQ1-IQ3, Q2_K_S) are not here.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 # llama-quantize's mixes, each with the type most of its tensors take
 MIXES = {"q2_k": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k", "q3_k_l": "q3_k", "q4_k_s": "q4_k", "q4_k_m": "q4_k",
          "q5_k_s": "q5_k", "q5_k_m": "q5_k", "q6_k": "q6_k", "q8_0": "q8_0", "q5_1": "q5_1", "q5_0": "q5_0",
-         "q4_1": "q4_1", "q4_0": "q4_0"}
+         "q4_1": "q4_1", "q4_0": "q4_0", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs"}
 ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}  # (as llama-quantize takes them)
 _LAYER = re.compile(r"blk\.([0-9]+)\.")
-_K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+_BLOCKS_OF_256 = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 # tensors llama.cpp never quantizes, whatever their shape (``tensor_allows_quantization``)
 _KEPT = re.compile(r"_norm\.weight|ffn_gate_inp\.weight|ffn_gate_tid2eid\.weight|altup|laurel|per_layer_model_proj|"
                    r"ssm_conv1d|shortconv\.conv\.weight|^position_embd\.weight$|^token_types\.weight$")
@@ -73,7 +73,7 @@ def chooser(shapes: dict[str, tuple[int, ...]], kind: str, overrides: Sequence[t
         category, found = _category(name), _LAYER.match(name)
         layer = int(found.group(1)) if found else 0
         if category == "output" or (not has_output and category == "token_embd"):
-            if shapes[name][-1] % (256 if base in _K_QUANTS else 32):
+            if shapes[name][-1] % (256 if base in _BLOCKS_OF_256 else 32):
                 return "q8_0"
             return base if base == "q8_0" else "q6_k"
         if category == "attn_v":
@@ -84,7 +84,7 @@ def chooser(shapes: dict[str, tuple[int, ...]], kind: str, overrides: Sequence[t
             return _ffn_down(mix, base, layer, layers)
         if category == "attn_output":
             if experts == 8:
-                return "q5_k" if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m") else base
+                return "q5_k" if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m", "iq4_nl", "iq4_xs") else base
             return {"q2_k": "q3_k", "q3_k_m": "q4_k", "q3_k_l": "q5_k"}.get(mix, base)
         return base
 
@@ -100,6 +100,8 @@ def _attn_v(mix: str, base: str, index: int, count: int, gqa: int, seventy: bool
     elif mix == "q3_k_m":
         chosen = "q5_k" if index < 2 else "q4_k"
     elif mix == "q3_k_l":
+        chosen = "q5_k"
+    elif mix in ("iq4_nl", "iq4_xs") and gqa >= 4:
         chosen = "q5_k"
     elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(index, count):
         chosen = "q6_k"
@@ -120,6 +122,8 @@ def _ffn_down(mix: str, base: str, layer: int, layers: int) -> str:
         return "q5_k"
     if mix in ("q4_k_m", "q5_k_m") and _use_more_bits(layer, layers):
         return "q6_k"
+    if mix in ("iq4_nl", "iq4_xs") and layer < layers // 8:
+        return "q5_k"
     if mix == "q4_k_s" and layer < layers // 8:
         return "q5_k"
     return base

@@ -23,7 +23,7 @@ from typing import Any
 from treecli import _leaf
 from treecli._bytes.local import open_regular
 from treecli._errors import FormatError, UsageError
-from treecli.formats import _flatkeys, _kquants, _model
+from treecli.formats import _flatkeys, _iquants, _kquants, _model
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 from treecli.formats._filedata import FileArrayLeaf
 from treecli.formats._folder import LocalFolder
@@ -375,8 +375,8 @@ class _BigEndianLeaf(FileArrayLeaf):
 def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str, mix: str | None = None) -> _leaf.ArrayLeaf:
     """``leaf`` to be written quantized (``q8_0``, ``q6_k``, ...), as llama.cpp quantizes
     weights: a leaf of two or more dimensions whose rows fill whole blocks (rows that do
-    not fill a K-quant's 256 fall back, Q6_K to Q8_0, Q5_K to Q5_1, Q4_K to Q5_0 and Q3_K
-    and Q2_K to Q4_0, as llama.cpp's quantizer falls back); any other leaf as it is. Its values are those a
+    not fill a 256-value block fall back, Q6_K to Q8_0, Q5_K to Q5_1, Q4_K to Q5_0, Q3_K
+    and Q2_K to Q4_0, IQ4_XS to IQ4_NL, as llama.cpp's quantizer falls back); any other leaf as it is. Its values are those a
     reader gets back: quantized, then dequantized. ``mix``: the llama.cpp mix that chose
     its type (``general.file_type``)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -394,7 +394,11 @@ def quantizing(leaf: _leaf.ArrayLeaf, kind_name: str, mix: str | None = None) ->
 
 # A K-quant whose blocks a tensor's rows cannot fill -> the type llama.cpp writes instead
 # (``tensor_type_fallback`` in llama-quant.cpp)
-_FALLBACKS = {"Q6_K": "q8_0", "Q5_K": "q5_1", "Q4_K": "q5_0", "Q3_K": "q4_0", "Q2_K": "q4_0"}
+_FALLBACKS = {"Q6_K": "q8_0", "Q5_K": "q5_1", "Q4_K": "q5_0", "Q3_K": "q4_0", "Q2_K": "q4_0", "IQ4_XS": "iq4_nl"}
+# The types quantized by llama.cpp's reference quantizers: (one part's quantizer, each group's step
+# from the blocks, values to a step)
+_REFERENCE = {**_kquants.QUANTIZERS, "IQ4_NL": (_iquants.quantize_iq4_nl, _iquants.iq4_nl_steps, 32),
+              "IQ4_XS": (_iquants.quantize_iq4_xs, _iquants.iq4_xs_steps, 32)}
 
 
 def kept_quantized(tree: Any) -> Any:
@@ -499,9 +503,9 @@ class _Quantizing(QuantizedLeaf):
 
         def part_of(rows: Any) -> tuple[Any, tuple[float, float]]:
             """A part's blocks, and their largest error (in steps, in value)."""
-            if kind.name in _kquants.QUANTIZERS:  # (llama.cpp's reference quantizers, byte for byte)
-                quantize, steps_of, group = _kquants.QUANTIZERS[kind.name]
-                blocks = quantize(rows.reshape(-1, _kquants.QK_K)).reshape(rows.shape[0], -1)
+            if kind.name in _REFERENCE:  # (llama.cpp's reference quantizers, byte for byte)
+                quantize, steps_of, group = _REFERENCE[kind.name]
+                blocks = quantize(rows).reshape(rows.shape[0], -1)
                 step = steps_of(blocks)
             else:  # (the gguf package's; these types start a block with its scale, a float16 d: the step)
                 blocks = quants.quantize(rows, kind)

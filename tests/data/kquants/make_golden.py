@@ -6,8 +6,9 @@ tests/test_kquants.py (so that CI compiles nothing). Run by hand when a type is 
     python tests/data/kquants/make_golden.py /tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 It compiles ggml-quants.c (with -ffp-contract=off: no fused multiply-adds, every float
-operation rounded as written) into a shared library, calls quantize_row_<type>_ref on
-rows of several distributions through ctypes, and writes golden.npz beside this file:
+operation rounded as written) into a shared library, calls quantize_row_<type>_ref (for
+IQ4_NL, quantize_iq4_nl: what llama-quantize runs, unlike its _ref) on rows of several
+distributions through ctypes, and writes golden.npz beside this file:
 each type's input rows (float32) and the blocks the reference made (uint8).
 """
 
@@ -30,10 +31,11 @@ size_t ggml_row_size(int type, long ne) { abort(); }
 const char * ggml_type_name(int type) { return "?"; }
 size_t ggml_type_size(int type) { abort(); }
 """
-# the reference's function, bytes per 256 values
+# the reference's function, bytes per 256 values (IQ4_NL: 8 blocks of 32)
 TYPES = {"q6_k": ("quantize_row_q6_K_ref", 210), "q5_k": ("quantize_row_q5_K_ref", 176),
          "q4_k": ("quantize_row_q4_K_ref", 144), "q3_k": ("quantize_row_q3_K_ref", 110),
-         "q2_k": ("quantize_row_q2_K_ref", 84)}
+         "q2_k": ("quantize_row_q2_K_ref", 84), "iq4_nl": ("quantize_iq4_nl", 144),
+         "iq4_xs": ("quantize_row_iq4_xs_ref", 136)}
 
 
 def inputs() -> np.ndarray:
@@ -65,8 +67,11 @@ def main(sources: Path) -> None:
         for kind, (function, size) in TYPES.items():
             blocks = np.zeros((x.shape[0], x.shape[1] // 256 * size), np.uint8)
             for row, values in enumerate(x):
-                getattr(lib, function)(values.ctypes.data_as(ctypes.c_void_p),
-                                       blocks[row].ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(values.size))
+                source, target = values.ctypes.data_as(ctypes.c_void_p), blocks[row].ctypes.data_as(ctypes.c_void_p)
+                if function.endswith("_ref"):
+                    getattr(lib, function)(source, target, ctypes.c_int64(values.size))
+                else:  # (llama-quantize's own: one row, no importance matrix)
+                    getattr(lib, function)(source, target, ctypes.c_int64(1), ctypes.c_int64(values.size), None)
             out[kind] = blocks
     np.savez(Path(__file__).parent / "golden.npz", inputs=x, **out)
 
