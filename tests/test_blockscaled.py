@@ -137,7 +137,8 @@ def test_a_copy_keeps_the_blocks_and_a_cast_writes_plain_weights_transformers_lo
     assert copy.code == 0 and "bit-exact" in copy.stderr, copy.stderr
     with safe_open(fp8 / "model.safetensors", "np") as a, safe_open(tmp_path / "copy" / "model.safetensors", "np") as b:
         assert sorted(a.keys()) == sorted(b.keys())
-    assert json.loads((tmp_path / "copy" / "config.json").read_text())["quantization_config"] == FP8_CONFIG
+    copied = json.loads((tmp_path / "copy" / "config.json").read_text())
+    assert copied["quantization_config"] == FP8_CONFIG and copied["dtype"] == "bfloat16"  # (not float8: storage)
     plain = cli("convert", fp8, tmp_path / "plain", "--dtype", "bfloat16")
     assert plain.code == 0, plain.stderr
     assert "14 weights stored FP8 128x128 are written as plain values" in plain.stderr
@@ -159,24 +160,53 @@ def test_an_average_of_fp8_checkpoints_averages_their_values(cli, fp8, tmp_path)
 
     other = _fp8_model(tmp_path / "other", seed=1)
     result = cli("average", fp8, other, "-o", tmp_path / "mean", "--dtype", "float32")
-    assert result.code == 0, result.stderr
+    assert result.code == 0 and "14 weights stored FP8 128x128 are written as plain values" in result.stderr
     a, b, mean = _flat(treecli.load(fp8)), _flat(treecli.load(other)), _flat(treecli.load(tmp_path / "mean"))
     name = "model.layers.1.self_attn.q_proj.weight"
     np.testing.assert_allclose(mean[name], (a[name].astype(np.float32) + b[name].astype(np.float32)) / 2, rtol=1e-6)
     assert "quantization_config" not in json.loads((tmp_path / "mean" / "config.json").read_text())
 
 
-def test_an_edit_of_one_fp8_weight_writes_every_weight_plain_and_says_so(cli, fp8, tmp_path):
+def test_an_edit_of_an_fp8_weight_writes_it_fp8_again_as_transformers_quantizes(cli, fp8, tmp_path):
+    """Item 4: a changed FP8 weight is quantized to FP8 again (transformers' Fp8Quantize, the
+    oracle), every other weight keeps its blocks, and config.json its quantization_config."""
+    import types
+
+    import treecli
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    result = cli("edit", fp8, "-o", tmp_path / "edited", "--scale", f"{name}=2")
+    assert result.code == 0, result.stderr
+    assert "requantized to FP8 128x128: 1 weight whose values changed" in result.stderr
+    doubled = torch.tensor(_flat(treecli.load(fp8))[name].astype(np.float32) * 2).to(torch.bfloat16)
+    quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=transformers.FineGrainedFP8Config()))
+    expected = quantizer._quantize_one(name, doubled)
+    with safe_open(tmp_path / "edited" / "model.safetensors", "pt") as f, \
+            safe_open(fp8 / "model.safetensors", "pt") as original:
+        for key in (name, name + "_scale_inv"):
+            assert torch.equal(f.get_tensor(key).view(torch.uint8) if key == name else f.get_tensor(key),
+                               expected[key].view(torch.uint8) if key == name else expected[key]), key
+        other = "model.layers.1.mlp.up_proj.weight"
+        assert torch.equal(f.get_tensor(other).view(torch.uint8), original.get_tensor(other).view(torch.uint8))
+    assert json.loads((tmp_path / "edited" / "config.json").read_text())["quantization_config"] == FP8_CONFIG
+    loaded = _dequantized_by_transformers(tmp_path / "edited", transformers.FineGrainedFP8Config(dequantize=True))
+    assert _same_bits(_flat(treecli.load(tmp_path / "edited"))[name], loaded[name])
+
+
+def test_a_changed_mxfp4_weight_writes_every_weight_plain_and_says_so(cli, mxfp4, tmp_path):
     import treecli
 
-    result = cli("edit", fp8, "-o", tmp_path / "edited", "--scale", "model.layers.0.mlp.down_proj.weight=2")
+    name = "model.layers.0.mlp.experts.down_proj"
+    result = cli("edit", mxfp4, "-o", tmp_path / "edited", "--scale", f"{name}=2")
     assert result.code == 0, result.stderr
-    assert "14 weights stored FP8 128x128 are written as plain values" in result.stderr
-    before, after = _flat(treecli.load(fp8)), _flat(treecli.load(tmp_path / "edited"))
-    name = "model.layers.0.mlp.down_proj.weight"
+    assert "4 weights stored MXFP4 are written as plain values; config.json without its quantization_config" \
+        in result.stderr
+    before, after = _flat(treecli.load(mxfp4)), _flat(treecli.load(tmp_path / "edited"))
     assert np.array_equal(after[name].astype(np.float32), before[name].astype(np.float32) * 2)
-    assert _same_bits(after["model.layers.1.mlp.up_proj.weight"],
-                      before["model.layers.1.mlp.up_proj.weight"].astype(np.float32))
+    other = "model.layers.1.mlp.experts.gate_up_proj"
+    assert _same_bits(after[other], before[other].astype(np.float32))
+    assert "quantization_config" not in json.loads((tmp_path / "edited" / "config.json").read_text())
 
 
 def test_scales_that_do_not_fit_their_weight_leave_both_as_stored(cli, tmp_path):

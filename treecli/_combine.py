@@ -106,7 +106,10 @@ def linear(
     convex = all(w >= 0 for w in weights) and math.isclose(sum(weights), 1.0)
 
     def averaged(keypath: tuple, text: str, leaves: list[_leaf.ArrayLeaf], report: AverageReport) -> Any:
-        return averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
+        leaf = averaged_leaf(leaves, weights, out_dtype or leaves[0].dtype_name, text, names, report, convex)
+        if out_dtype and isinstance(leaf, _leaf.ComputedLeaf):
+            leaf.asked_dtype = True  # (written in the dtype asked for: never quantized again)
+        return leaf
 
     return combine_inputs(trees, names, non_float, averaged, "averaged")
 
@@ -309,6 +312,8 @@ def cast_floats(tree: Any, dtype: str | None, report: AverageReport) -> Any:
         # (a leaf stored otherwise, quantized, is cast even to its own dtype: asking for a dtype
         # is what writes its values, dequantized, not its blocks)
         if not _dtypes.is_float(leaf.dtype_name) or (leaf.dtype_name == dtype and not leaf.stored_otherwise):
+            if isinstance(leaf, _leaf.ComputedLeaf) and _dtypes.is_float(leaf.dtype_name):
+                leaf.asked_dtype = True  # (a merge's leaf already of the dtype asked for: written so)
             return x
         cast = cast_leaf(leaf, dtype, format_keypath(kp), report.messages.append)
         cast.asked_dtype = True  # (a GGUF output writes it in the dtype asked for, never requantized)

@@ -95,15 +95,18 @@ def write_output(
     holder = decided[0] if target is not None and not is_url(target) else get(source.format) if in_place else None
     if holder is not None and holder.name == "gguf":  # (its quantized tensors' edited values requantized)
         tree = held_by(tree, holder, str(target or source.file))
-    tree, dequantized = block_scaled_written(tree)  # (copied as stored, or all written plain)
+    block_scaled = block_scaled_written(tree)  # (copied as stored, FP8 requantized, or all written plain)
+    tree = block_scaled.tree
     companions = list(source.companions if companions is None else companions)
-    with _plain_config(companions, bool(dequantized)) as companions:
+    with _plain_config(companions, bool(block_scaled.plain)) as companions:
         written = _write(out, tree, target, source, inputs, format, force, in_place, max_shard_size, drop_unsupported,
                          metadata, verify, decided, companions)
-    for scheme, count in dequantized.items():
+    for scheme, count in block_scaled.requantized.items():
+        out.note(f"requantized to {scheme}: {counted(count, 'weight')} whose values changed, as transformers' FP8 "
+                 "quantizer quantizes (each block's largest magnitude to 448)")
+    for scheme, count in block_scaled.plain.items():
         out.note(f"{counted(count, 'weight')} stored {scheme} {'is' if count == 1 else 'are'} written as plain "
-                 "values (treecli does not write block-scaled weights); config.json without its "
-                 "quantization_config")
+                 "values; config.json without its quantization_config")
     if holder is not None and holder.name == "gguf":
         _say_requantized(out, tree)
     if guessed_directory is not None:

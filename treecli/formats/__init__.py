@@ -474,13 +474,13 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
             raise TreecliError(f"a leaf of {len(leaf.shape)} dimensions; NumPy, and so treecli, reads at most "
                                f"{MAX_NDIM}: nothing written", file=file, keypath=format_keypath(keypath)[:80])
         numbers = numbers or isinstance(leaf, (bool, int, float, complex))
-    tree = _blockscaled.stored_form(tree)[0]  # (block-scaled weights: copied as stored, or all written plain)
+    tree = _blockscaled.stored_form(tree).tree  # (block-scaled weights as stored, requantized, or all plain)
     return fmt.held(tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree))
 
 
-def block_scaled_written(tree: Any) -> tuple[Any, dict[str, int]]:
+def block_scaled_written(tree: Any) -> Any:
     """``tree`` as an output writes its block-scaled weights (FP8, MXFP4), and how many of
-    each scheme it writes as plain values (``_blockscaled.stored_form``)."""
+    each scheme it writes requantized and as plain values (``_blockscaled.stored_form``)."""
     from treecli.formats import _blockscaled
 
     return _blockscaled.stored_form(tree)

@@ -319,7 +319,7 @@ class Format:
         read back are compared as their stored tensors, as they were written."""
         from treecli.formats._blockscaled import stored_form
 
-        return stored_names(tree, self.separator), stored_names(stored_form(written)[0], self.separator)
+        return stored_names(tree, self.separator), stored_names(stored_form(written).tree, self.separator)
 
     def reference_problems(self, path: Path, written: dict[str, Any]) -> list[str]:
         """What the format's own reference reader finds wrong with a finished output (``written``:

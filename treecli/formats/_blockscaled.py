@@ -12,9 +12,10 @@ dequantizes them:
   outputs): transformers' ``convert_moe_packed_tensors``.
 
 A copy writes such a leaf as it is stored (its parts, under their own names:
-``stored_form``); a leaf computed from one (an edit of its values, an average) and
-every leaf an output casts (``--dtype bfloat16``) is written as plain weights, and the
-output's ``config.json`` then loses its ``quantization_config``.
+``stored_form``); an FP8 weight whose values changed (an edit, an average) is quantized
+to FP8 again, as transformers' FP8 quantizer quantizes; a cast asked for (``--dtype
+bfloat16``), or a change of an MXFP4 weight, writes every such weight as plain values,
+and the output's ``config.json`` then loses its ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def _fp8(weight: Any, scales: Any, block: Any, dtype: str) -> BlockScaledLeaf | 
             out = (values * per_value).astype(_dtypes.numpy_dtype(dtype))
         return out.reshape(-1)[start - first * cols : stop - first * cols]
 
-    return BlockScaledLeaf(weight.shape, dtype, compute, {"": weight, FP8_SCALES: scales}, f"FP8 {b0}x{b1}")
+    made = BlockScaledLeaf(weight.shape, dtype, compute, {"": weight, FP8_SCALES: scales}, f"FP8 {b0}x{b1}")
+    made.block = (b0, b1)  # (its values, changed, are quantized in blocks of this size again)
+    return made
 
 
 def _scale_values(scales: Any) -> Any:
@@ -178,41 +181,118 @@ def _mxfp4(blocks: Any, scales: Any, dtype: str) -> BlockScaledLeaf | None:
     return BlockScaledLeaf((experts, inputs, rows), dtype, compute, {MX_BLOCKS: blocks, MX_SCALES: scales}, "MXFP4")
 
 
-def stored_form(tree: Any) -> tuple[Any, dict[str, int]]:
+class Written:
+    """How an output writes the block-scaled weights of a tree: ``tree`` (each as its stored
+    tensors, or as plain values), and how many weights of each scheme it writes plain
+    (``plain``) and requantized (``requantized``: FP8 weights whose values changed)."""
+
+    def __init__(self, tree: Any, plain: dict[str, int], requantized: dict[str, int]):
+        self.tree, self.plain, self.requantized = tree, plain, requantized
+
+
+def stored_form(tree: Any) -> Written:
     """``tree`` as an output writes it: each block-scaled leaf as its stored tensors (a copy
-    keeps its blocks), unless some leaf computed from one (an edit of its values, an
-    average, a cast) is in it: then every such weight is written as plain values (an
-    output is either the stored scheme or plain weights, as its ``config.json`` says).
-    Also returns how many weights of each scheme are written as plain values."""
-    dequantized: dict[str, int] = {}
+    keeps its blocks); an FP8 weight whose values a command changed (an edit, an average)
+    quantized to FP8 again, in blocks of its own size, as transformers' FP8 quantizer does
+    (each block's largest magnitude to 448). Anything else computed from a block-scaled
+    weight (a cast a command was asked for, an MXFP4 weight changed, a shape that is no
+    longer whole blocks) is written as plain values, and then so is every block-scaled
+    weight (an output is either the stored scheme or plain weights, as its ``config.json``
+    says)."""
+    plain: dict[str, int] = {}
+    requantized: dict[str, int] = {}
     for leaf in _array_leaves(tree):
         if not isinstance(leaf, BlockScaledLeaf):
-            origin = _scheme_of(leaf)
-            if origin is not None:
-                dequantized[origin] = dequantized.get(origin, 0) + 1
-    plain = bool(dequantized)
+            origin = _origin(leaf)
+            if origin is not None and _requantizable(leaf, origin) is None:
+                plain[origin.scheme] = plain.get(origin.scheme, 0) + 1
+    if plain:
+        for leaf in _array_leaves(tree):
+            origin = leaf if isinstance(leaf, BlockScaledLeaf) else _origin(leaf)
+            if origin is not None and (leaf is origin or _requantizable(leaf, origin) is not None):
+                plain[origin.scheme] = plain.get(origin.scheme, 0) + 1
+        return Written(tree, plain, {})
 
     def expanded(node: Any) -> Any:
         if isinstance(node, dict):
             out: dict[Any, Any] = {}
             for key, value in node.items():
-                if isinstance(value, BlockScaledLeaf) and not plain and isinstance(key, str):
-                    out.update({key + suffix: part for suffix, part in value.parts.items()})
+                parts = _parts(value, requantized) if isinstance(key, str) else None
+                if parts is not None:
+                    out.update({key + suffix: part for suffix, part in parts.items()})
                 else:
                     out[key] = expanded(value)
             return out
         if isinstance(node, (list, tuple)) and type(node) in (list, tuple):
             return type(node)(expanded(value) for value in node)
-        if isinstance(node, BlockScaledLeaf):
-            dequantized[node.scheme] = dequantized.get(node.scheme, 0) + 1
         return node
 
-    if plain:
-        for leaf in _array_leaves(tree):
-            if isinstance(leaf, BlockScaledLeaf):
-                dequantized[leaf.scheme] = dequantized.get(leaf.scheme, 0) + 1
-        return tree, dequantized
-    return expanded(tree), dequantized
+    return Written(expanded(tree), {}, requantized)
+
+
+def _parts(leaf: Any, requantized: dict[str, int]) -> dict[str, Any] | None:
+    """The stored tensors a leaf is written as, by what each adds to its name; None: itself."""
+    if isinstance(leaf, BlockScaledLeaf):
+        return leaf.parts
+    origin = _origin(leaf) if isinstance(leaf, _leaf.ArrayLeaf) else None
+    block = _requantizable(leaf, origin) if origin is not None else None
+    if block is None:
+        return None
+    requantized[origin.scheme] = requantized.get(origin.scheme, 0) + 1
+    return _fp8_parts(leaf, block)
+
+
+def _requantizable(leaf: Any, origin: BlockScaledLeaf) -> tuple[int, int] | None:
+    """The FP8 block an FP8 weight's changed values are quantized in again; None where they
+    are written plain (a cast asked for, MXFP4, not whole blocks)."""
+    block = getattr(origin, "block", None)
+    if block is None or getattr(leaf, "asked_dtype", False) or leaf.ndim < 2 or not leaf.size or \
+            leaf.shape[-2] % block[0] or leaf.shape[-1] % block[1] or not _dtypes.is_float(leaf.dtype_name):
+        return None
+    return block
+
+
+def _fp8_parts(leaf: Any, block: tuple[int, int]) -> dict[str, Any]:
+    """``leaf``'s values as FP8 blocks and their ``_scale_inv``, as transformers' ``Fp8Quantize``
+    makes them: each block's scale 448 over its largest magnitude (1 for a block of zeros),
+    the values times it clamped to E4M3's range and rounded; a band of ``block[0]`` rows at
+    a time."""
+    rows, cols = leaf.shape[-2:]
+    held: dict[int, tuple[Any, Any]] = {}
+
+    def band(index: int) -> tuple[Any, Any]:
+        import ml_dtypes
+        import numpy as np
+
+        if index not in held:
+            held.clear()
+            values = np.asarray(leaf.read_flat(index * block[0] * cols, (index + 1) * block[0] * cols), np.float32)
+            tiles = values.reshape(block[0], cols // block[1], block[1])
+            largest = np.abs(tiles).max(axis=(0, 2))
+            with np.errstate(all="ignore"):
+                scales = np.where(largest > 0, np.float32(448.0) / np.where(largest > 0, largest, np.float32(1)),
+                                  np.float32(1))
+                scaled = np.clip(tiles * scales[None, :, None], np.float32(-448.0), np.float32(448.0))
+            held[index] = (scaled.astype(ml_dtypes.float8_e4m3fn).reshape(-1), (np.float32(1) / scales))
+        return held[index]
+
+    def weight(start: int, stop: int) -> Any:
+        import numpy as np
+
+        span = block[0] * cols
+        pieces = [band(i)[0][max(start - i * span, 0) : stop - i * span] for i in range(start // span, -(-stop // span))]
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0].copy()
+
+    def scale(start: int, stop: int) -> Any:
+        import numpy as np
+
+        per_band = cols // block[1]
+        return np.concatenate([band(i)[1] for i in range(start // per_band, -(-stop // per_band))])[
+            start % per_band : start % per_band + stop - start]
+
+    scale_shape = (*leaf.shape[:-2], rows // block[0], cols // block[1])
+    return {"": _leaf.ComputedLeaf(leaf.shape, "float8_e4m3fn", weight, inputs=[leaf]),
+            FP8_SCALES: _leaf.ComputedLeaf(scale_shape, "float32", scale, inputs=[leaf])}
 
 
 def _array_leaves(tree: Any) -> Any:
@@ -221,12 +301,12 @@ def _array_leaves(tree: Any) -> Any:
     return (leaf for leaf in _tree.leaves(tree) if isinstance(leaf, _leaf.ArrayLeaf))
 
 
-def _scheme_of(leaf: Any) -> str | None:
-    """The scheme of the block-scaled weights a computed leaf reads, if it reads any."""
+def _origin(leaf: Any) -> BlockScaledLeaf | None:
+    """The block-scaled weight a computed leaf reads (the first found), if it reads one."""
     pending = list(getattr(leaf, "inputs", ()))
     while pending:
         source = pending.pop()
         if isinstance(source, BlockScaledLeaf):
-            return source.scheme
+            return source
         pending.extend(getattr(source, "inputs", ()))
     return None

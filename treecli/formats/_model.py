@@ -10,6 +10,7 @@ from typing import Any
 
 # The names configs give the number of transformer blocks (GPT-2's n_layer, T5's num_layers, ...).
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_MODEL_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what a config's dtype may name
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     edits. Returns ``(text, why)``: the text to write (the same text where nothing
     changed), or None and why no text can describe the weights. A file that is no model
     config is left as it is."""
-    from treecli import _dtypes, _leaf, _tree
+    from treecli import _leaf, _tree
     from treecli._keypath import EMBEDDINGS, format_keypath
 
     config = _json(text)
@@ -114,7 +115,7 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
             stacks.setdefault(name[: found.start(1)], set()).add(int(found.group(1)))
         if _leaf.is_array(leaf):
             array = _leaf.as_leaf(leaf)
-            if _dtypes.is_float(array.dtype_name):
+            if array.dtype_name in _MODEL_DTYPES:  # (not FP8 or FP4: a quantized weight's storage, never a model's dtype)
                 float_bytes[array.dtype_name] = float_bytes.get(array.dtype_name, 0) + array.nbytes
             if vocab is None and name.endswith(EMBEDDINGS) and len(array.shape) == 2:
                 vocab = array.shape[0]
