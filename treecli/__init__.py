@@ -44,6 +44,8 @@ _EXPORTS = {
     "Unflatten": "treecli._transforms",
     "Flatten": "treecli._transforms",
     "jax_keypath": "treecli._api",
+    "hash": "treecli._api",
+    "verify": "treecli._api",
     "format_keypath": "treecli._keypath",
     "parse_keypath": "treecli._keypath",
 }
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from treecli._api import at as at, average as average, diff as diff, edit as edit, jax_keypath as jax_keypath
     from treecli._api import load as load, merge as merge, open as open, save as save, slice_tree as slice_tree
     from treecli._api import cast as cast, quantize as quantize, recipe as recipe, transform as transform
+    from treecli._api import hash as hash, verify as verify
     from treecli._transforms import Concat as Concat, Flatten as Flatten, Rename as Rename, Rotary as Rotary
     from treecli._transforms import Split as Split, Stack as Stack, Transpose as Transpose
     from treecli._transforms import Unflatten as Unflatten, Unstack as Unstack

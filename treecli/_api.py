@@ -15,7 +15,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli import _average, _configmerge, _diff, _digest, _edit, _merge, _pytree, _slice, _tree
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 from treecli.formats import WriteOptions, open_checkpoint, save as _save
@@ -313,6 +313,62 @@ def diff(a: Any, b: Any, **options: Any) -> _diff.DiffResult:
         return _pytree.numbers_as_arrays(_pytree.to_native(tree)[0])
 
     return _diff.diff(native(a), native(b), **options)
+
+
+def hash(source: Any, *, where: str | Sequence[str] | None = None) -> _digest.Digests:  # noqa: A001
+    """The digests of a checkpoint's (a path or URL) or a pytree's weights: one per leaf, over
+    its dtype, shape and bytes (a quantized tensor's stored blocks, under its type), and the
+    root's over them, the same whatever the format, sharding or tensor order; a JAX array
+    sharded over devices hashes as the whole array. What ``treecli hash`` prints.
+
+    Example:
+        >>> treecli.hash("model.safetensors").root == treecli.hash("model.gguf").root
+    """
+    selection = [where] if isinstance(where, str) else list(where or [])
+    if isinstance(source, (str, PathLike)):
+        with open_checkpoint(source) as checkpoint:
+            return _digest.digests(_digest.selected(checkpoint.tree, selection))
+    return _digest.digests(_digest.selected(_pytree.to_native(source)[0], selection))
+
+
+def verify(source: Any, against: Any, *, where: str | Sequence[str] | None = None) -> _digest.Verification:
+    """Whether ``source`` (a checkpoint's path or URL, or a pytree) holds the weights
+    ``against`` holds: a manifest (``treecli hash -o``'s file, or a :class:`Digests`), a
+    checkpoint or a pytree; the key paths whose leaves differ, are missing or extra.
+    What ``treecli verify`` reports.
+
+    Example:
+        >>> assert treecli.verify("model.gguf", "weights.blake3.json").equal
+    """
+    found = hash(source, where=where)
+    manifest = None
+    if isinstance(against, _digest.Digests):
+        expected = against
+    else:
+        manifest = read_manifest(against) if isinstance(against, (str, PathLike)) else None
+        expected = manifest if manifest is not None else hash(against, where=where)
+    if isinstance(against, _digest.Digests) or manifest is not None:  # (a manifest of the whole)
+        expected = _digest.restricted(expected, [where] if isinstance(where, str) else list(where or []))
+    return _digest.compare(found, expected)
+
+
+def read_manifest(path: str | PathLike) -> _digest.Digests | None:
+    """The manifest ``treecli hash -o`` wrote at ``path``, checked (its root the one its leaves
+    give); None where ``path`` is no manifest (a checkpoint, a URL).
+
+    Raises:
+        FormatError: a manifest that is damaged or was changed.
+    """
+    from treecli._bytes.local import open_regular, read_text
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with open_regular(path) as f:
+        head = f.read(4096)
+    if not _digest.is_manifest(head):
+        return None
+    return _digest.parse_manifest(read_text(path, _digest.MANIFEST_BYTES, "digest manifest"), str(path))
 
 
 def at(tree: Any, where: str | list[str], replace: Any = _edit.MISSING,

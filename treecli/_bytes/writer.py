@@ -236,11 +236,11 @@ def digest_of(leaf: ArrayLeaf, start: int = 0) -> tuple[int, int, int]:
     """The :class:`Digest` of a leaf's bytes as ``write_leaf`` writes them, from ``start``."""
     digest = Digest(start)
     for chunk in iter_chunks(leaf):
-        digest.update(_stored_bytes(chunk))
+        digest.update(stored_bytes(chunk))
     return digest.value()
 
 
-def _stored_bytes(chunk: Any) -> Any:
+def stored_bytes(chunk: Any) -> Any:
     """A chunk's bytes as files store them: little-endian, C order."""
     import numpy as np
 
@@ -272,7 +272,7 @@ def write_range(fd: int, leaf: ArrayLeaf, offset: int, begin: int, end: int, wri
     share one process of several writes into a file they write together. Neighbouring
     ranges take every element exactly once."""
     for start, stop in _chunks_within(leaf, offset, begin, end):
-        raw = _stored_bytes(leaf.read_flat(start, stop))
+        raw = stored_bytes(leaf.read_flat(start, stop))
         view, at = memoryview(raw), offset + start * leaf.itemsize
         while view:
             n = os.pwrite(fd, view, at)
@@ -285,7 +285,7 @@ def write_range(fd: int, leaf: ArrayLeaf, offset: int, begin: int, end: int, wri
 def same_range(fd: int, leaf: ArrayLeaf, offset: int, begin: int, end: int) -> bool:
     """Whether the file holds, in ``[begin, end)``, the bytes :func:`write_range` writes there."""
     for start, stop in _chunks_within(leaf, offset, begin, end):
-        expected = _stored_bytes(leaf.read_flat(start, stop))
+        expected = stored_bytes(leaf.read_flat(start, stop))
         if os.pread(fd, expected.nbytes, offset + start * leaf.itemsize) != expected.tobytes():
             return False
     return True
@@ -322,7 +322,7 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
     sums = [checksum] if checksum is not None else [digest] if digest is not None else []
 
     def take_in(chunk: Any) -> None:
-        raw = _stored_bytes(chunk)
+        raw = stored_bytes(chunk)
         for d in sums:
             d.update(raw)
 
@@ -335,7 +335,7 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
         if chunk.dtype != leaf.dtype:
             raise TreecliError(f"internal error: a chunk came back as {chunk.dtype}, expected {leaf.dtype}",
                                file=file, keypath=keypath)
-        raw = _stored_bytes(chunk)
+        raw = stored_bytes(chunk)
         f.write(raw)
         if writeback:
             writeback()

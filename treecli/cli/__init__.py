@@ -33,12 +33,14 @@ COMMANDS = {
     "diff": "treecli.cli.diff:diff",
     "convert": "treecli.cli.convert:convert",
     "get": "treecli.cli.get:get",
+    "hash": "treecli.cli.hash:hash_",
+    "verify": "treecli.cli.verify:verify",
 }
 
 _SETTINGS = dict(
     name="treecli",
     help="Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, "
-    "diff, convert, get.",
+    "diff, convert, get, hash, verify.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -81,7 +83,7 @@ def _root(
         help="How long a process of several waits for all of them to join (default 30)."),
 ) -> None:
     """Look inside ML checkpoints and operate on them as PyTrees: show, slice, average, merge, edit, diff, convert,
-    get."""
+    get, hash, verify."""
     _Session.debug = debug
     if distributed or coordinator is not None or num_processes is not None or process_id is not None:
         _cluster.start(coordinator, num_processes, process_id, detect=distributed, join_timeout=join_timeout,

@@ -1,0 +1,185 @@
+"""Digests of the weights themselves, whatever holds them: ``hash`` and ``verify``.
+
+A leaf's digest is BLAKE3 over what the leaf is, not how a file lays it out: its stored
+type and shape, then its elements in C order, little-endian, as stored. A float or integer
+array's type is its dtype (``float32``, ``bfloat16``); a quantized tensor's is its
+quantization (``Q4_K``, ``FP8 128x128``), and its bytes are its stored blocks (and scales),
+so a GGUF copy of a Q4_K tensor hashes as the original does, and its dequantized values
+as the float array they are. A value that is not an array (a step number, a string)
+hashes its Python type and ``repr``. The root digest is BLAKE3 over each leaf's key path
+(its keys joined with ``.``) and digest, sorted by key path: the same weights give the
+same root whatever the format, file, sharding, tensor order or compression.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from treecli import _leaf, _tree
+from treecli._errors import FormatError
+
+ALGORITHM = "blake3"
+MANIFEST_BYTES = 256 << 20  # a manifest of a 200k-tensor model is about 30 MB
+
+
+@dataclass
+class Digests:
+    """The digests of a tree's leaves (by key path) and its root digest."""
+
+    leaves: dict[str, str]
+    root: str = ""
+
+    def __post_init__(self) -> None:
+        self.root = self.root or root_of(self.leaves)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"algorithm": ALGORITHM, "root": self.root, "leaves": dict(sorted(self.leaves.items()))}
+
+
+@dataclass
+class Verification:
+    """How a tree's digests compare with the expected ones: the key paths whose leaves
+    differ, those expected but missing, and those not expected."""
+
+    differ: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not (self.differ or self.missing or self.extra)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"equal": self.equal, "differ": self.differ, "missing": self.missing, "extra": self.extra}
+
+
+def keypath_name(keypath: tuple) -> str:
+    """A key path as digests name it: its keys joined with ``.`` (``model.layers.0.weight``),
+    as a safetensors file, a GGUF file and a nested dict name the same leaf."""
+    return ".".join(map(str, keypath))
+
+
+def digests(tree: Any, *, progress: Callable[[int], None] | None = None) -> Digests:
+    """Every leaf's digest and the root's, leaf by leaf, two leaves at a time (BLAKE3 hashes
+    a big chunk on every core by itself)."""
+    from treecli._bytes import stream
+
+    items = [(keypath_name(keypath), leaf) for keypath, leaf in _tree.flatten(tree)]
+    found: dict[str, str] = {}
+
+    def visit(item: tuple[str, Any]) -> None:
+        name, leaf = item
+        found[name] = leaf_digest(leaf, progress)
+
+    stream.each_on_two_threads(visit, items)
+    return Digests(found)
+
+
+def leaf_digest(leaf: Any, progress: Callable[[int], None] | None = None) -> str:
+    """One leaf's digest (the module's docstring says over what)."""
+    from blake3 import blake3
+
+    if not _leaf.is_array(leaf):
+        return _hex(blake3(f"py:{type(leaf).__name__}\0{leaf!r}".encode()))
+    array = _leaf.as_leaf(leaf)
+    digest = blake3(max_threads=blake3.AUTO)
+    digest.update(f"{array.stored_dtype}\0{','.join(map(str, array.shape))}\0".encode())
+    for piece in _stored_pieces(array):
+        digest.update(piece)
+        if progress is not None:
+            progress(len(piece))
+    return _hex(digest)
+
+
+def _stored_pieces(leaf: _leaf.ArrayLeaf) -> Any:
+    """A leaf's bytes as stored, a chunk at a time: a quantized tensor's blocks (each part in
+    turn, by the name it adds: FP8's weight, then its scales), else its elements."""
+    from treecli._bytes import stream, writer
+
+    parts = getattr(leaf, "parts", None)
+    if leaf.stored_otherwise and isinstance(parts, dict):
+        for suffix in sorted(parts):
+            yield from _stored_pieces(_leaf.as_leaf(parts[suffix]))
+    elif leaf.stored_otherwise and hasattr(leaf, "read_raw"):
+        for start in range(0, leaf.raw_nbytes, stream.CHUNK_BYTES):
+            yield leaf.read_raw(start, min(leaf.raw_nbytes, start + stream.CHUNK_BYTES))
+    else:
+        for chunk in stream.iter_chunks(leaf):
+            yield writer.stored_bytes(chunk)
+
+
+def root_of(leaves: dict[str, str]) -> str:
+    """The root digest of leaves' digests: BLAKE3 of ``key path TAB digest LF``, sorted."""
+    from blake3 import blake3
+
+    return _hex(blake3("".join(f"{name}\t{leaves[name]}\n" for name in sorted(leaves)).encode()))
+
+
+def _hex(digest: Any) -> str:
+    return f"{ALGORITHM}:{digest.hexdigest()}"
+
+
+def compare(found: Digests, expected: Digests) -> Verification:
+    """``found`` against ``expected``, key path by key path."""
+    result = Verification()
+    for name in sorted(set(found.leaves) | set(expected.leaves)):
+        if name not in found.leaves:
+            result.missing.append(name)
+        elif name not in expected.leaves:
+            result.extra.append(name)
+        elif found.leaves[name] != expected.leaves[name]:
+            result.differ.append(name)
+    return result
+
+
+def parse_manifest(text: str, file: str) -> Digests:
+    """A manifest ``hash -o`` wrote (``Digests.as_json``), checked: its algorithm, every
+    digest a string of the right form, and the root the one its leaves give.
+
+    Raises:
+        FormatError: not a manifest, or one whose root does not match its leaves.
+    """
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise FormatError(f"not a treecli digest manifest: not JSON ({e})", file=file) from None
+    leaves = data.get("leaves") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("algorithm") != ALGORITHM or not isinstance(leaves, dict):
+        raise FormatError(f"not a treecli digest manifest: no \"algorithm\": \"{ALGORITHM}\" and \"leaves\" object",
+                          file=file)
+    for name, digest in leaves.items():
+        if not isinstance(digest, str) or not _well_formed(digest):
+            raise FormatError("not a BLAKE3 digest (blake3: and 64 hex digits)", file=file, keypath=str(name)[:80])
+    manifest = Digests(dict(leaves))
+    if data.get("root") != manifest.root:
+        raise FormatError("the manifest's root digest is not the one its leaves give: it was changed", file=file)
+    return manifest
+
+
+def is_manifest(head: bytes) -> bool:
+    """Whether a file's first bytes are a JSON manifest's (a checkpoint's never are)."""
+    return head.lstrip()[:1] == b"{" and b'"algorithm"' in head
+
+
+def _well_formed(digest: str) -> bool:
+    prefix = ALGORITHM + ":"
+    return digest.startswith(prefix) and len(digest) == len(prefix) + 64 and \
+        all(c in "0123456789abcdef" for c in digest[len(prefix):])
+
+
+def restricted(expected: Digests, where: Sequence[str]) -> Digests:
+    """A manifest's digests of the leaves ``where`` selects (by their key paths' keys)."""
+    from treecli import _keypath
+
+    if not where:
+        return expected
+    patterns = [_keypath.parse(text) for text in where]
+    return Digests({name: digest for name, digest in expected.leaves.items()
+                    if any(_keypath.covers(pattern, tuple(name.split("."))) for pattern in patterns)})
+
+
+def selected(tree: Any, where: Sequence[str]) -> Any:
+    """The leaves ``where`` selects (all without it)."""
+    return _tree.selected(tree, list(where)) if where else tree

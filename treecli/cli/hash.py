@@ -1,0 +1,95 @@
+"""``treecli hash``: digests of a checkpoint's weights, the same in any format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import about, open_input
+from treecli.cli._output import Output
+
+
+def hash_(
+    checkpoint: opt.CheckpointArg,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Write the manifest (every leaf's digest and the root's, JSON) to this file, for "
+        "treecli verify.", show_default=False)] = None,
+    where: opt.WhereOpt = None,
+    input_format: opt.InputFormatOpt = None,
+    step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
+    force: opt.ForceOpt = False,
+    json: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+) -> None:
+    """Digest the weights: one BLAKE3 digest per leaf, over its dtype, shape and bytes, and one
+    root digest over them, the same whatever the format, sharding or tensor order.
+
+    Prints the root digest (--json: every leaf's too). A quantized tensor hashes its
+    stored blocks, under its type.
+
+    Examples:
+
+    \b
+        treecli hash model.safetensors
+        treecli hash Llama-3.2-1B/ -o weights.blake3.json
+        treecli hash ckpt_dir --where 'params.**' --json
+    """
+    from treecli import _digest
+    from treecli._errors import counted
+
+    out = Output(quiet=quiet)
+    if output is not None:
+        _check_manifest_target(output, force, checkpoint)
+    with open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
+        tree = _digest.selected(ckpt.tree, where or [])
+        with out.progress("hashing", _stored_total(tree)) as advance:
+            found = _digest.digests(tree, progress=advance)
+    if output is not None:
+        _write_manifest(output, found)
+    if json:
+        out.json({"checkpoint": str(checkpoint), **found.as_json()})
+    else:
+        out.lines([f"{found.root}  {_shown(str(checkpoint))}"])
+        written = f"; manifest written to {output}" if output is not None else ""
+        out.note(counted(len(found.leaves), "leaf", "leaves") + written)
+
+
+def _stored_total(tree: Any) -> int:
+    from treecli import _leaf, _tree
+
+    return sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
+
+
+def _shown(text: str) -> str:
+    from treecli._escape import visible
+
+    return visible(text)
+
+
+def _check_manifest_target(output: Path, force: bool, checkpoint: str) -> None:
+    """Before reading a byte: the manifest may replace only a regular file, with --force, and
+    never the checkpoint."""
+    from treecli._errors import UsageError
+
+    if output.exists() or output.is_symlink():
+        if not output.is_file() or output.is_symlink():
+            raise UsageError("exists and is not a regular file; name another", file=str(output))
+        if not force:
+            raise UsageError("exists; --force replaces it", file=str(output))
+        if Path(checkpoint).exists() and output.resolve() == Path(checkpoint).resolve():
+            raise UsageError("is the checkpoint being hashed; name another file", file=str(output))
+    if not output.parent.is_dir():
+        raise UsageError("its directory does not exist", file=str(output))
+
+
+def _write_manifest(output: Path, found: Any) -> None:
+    import json
+
+    from treecli._atomic import atomic_file
+
+    with atomic_file(output) as tmp:
+        tmp.write_text(json.dumps(found.as_json(), indent=1) + "\n")

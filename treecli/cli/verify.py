@@ -1,0 +1,80 @@
+"""``treecli verify``: are these the weights? Against a manifest or another checkpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from treecli.cli import _options as opt
+from treecli.cli._common import about, open_input
+from treecli.cli._output import Output
+from treecli.cli._status import ExitStatus
+
+
+def verify(
+    checkpoint: opt.CheckpointArg,
+    against: Annotated[Optional[str], typer.Argument(
+        help="A manifest (treecli hash -o) or another checkpoint, in any format.", show_default=False,
+        metavar="AGAINST")] = None,
+    where: opt.WhereOpt = None,
+    step: opt.StepOpt = None,
+    like: opt.LikeOpt = None,
+    json: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+) -> int:
+    """Check that a checkpoint holds the weights a manifest (or another checkpoint) holds,
+    leaf by leaf, by their digests: whatever the formats, sharding or tensor order.
+
+    Exit 0 when every leaf matches, 1 when some differ, are missing or are extra (listed
+    as diff lists them), 2 on error.
+
+    Examples:
+
+    \b
+        treecli verify converted_dir b.safetensors
+        treecli verify Llama-3-8B/ model.safetensors --where 'model.layers.0.**'
+
+    """
+    from treecli import _digest
+    from treecli._api import read_manifest
+    from treecli._errors import UsageError, counted
+
+    out = Output(quiet=quiet)
+    if against is None:
+        raise UsageError("give AGAINST: a manifest (treecli hash CKPT -o FILE) or another checkpoint")
+    expected = read_manifest(against)
+    with open_input(out, checkpoint, step=step, like=like) as ckpt, about(checkpoint):
+        tree = _digest.selected(ckpt.tree, where or [])
+        found = _hashed(out, tree, "hashing")
+        if expected is None:
+            with open_input(out, against, step=step, like=like) as other:
+                expected = _hashed(out, _digest.selected(other.tree, where or []), "hashing AGAINST")
+        else:  # (a manifest of the whole: only the leaves selected here are expected)
+            expected = _digest.restricted(expected, where or [])
+    result = _digest.compare(found, expected)
+    if json:
+        out.json({**result.as_json(), "root": found.root, "expected_root": expected.root})
+    elif result.equal:
+        out.note(f"verified: {counted(len(found.leaves), 'leaf', 'leaves')}, root {found.root}")
+    else:
+        _print(out, result)
+    return ExitStatus.OK if result.equal else ExitStatus.DIFFERENCES
+
+
+def _hashed(out: Output, tree: Any, what: str) -> Any:
+    from treecli import _digest, _leaf, _tree
+
+    total = sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
+    with out.progress(what, total) as advance:
+        return _digest.digests(tree, progress=advance)
+
+
+def _print(out: Output, result: Any) -> None:
+    from treecli import _render
+
+    rows = [[f"~ {name}", "differs"] for name in result.differ]
+    rows += [[f"- {name}", "missing"] for name in result.missing]
+    rows += [[f"+ {name}", "not expected"] for name in result.extra]
+    out.lines(_render.table(["key path", ""], rows, set()))
+    out.warn(f"{len(result.differ)} differ, {len(result.missing)} missing, {len(result.extra)} not expected")
