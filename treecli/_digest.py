@@ -61,9 +61,13 @@ def keypath_name(keypath: tuple) -> str:
     return ".".join(map(str, keypath))
 
 
+_ONE_AT_A_TIME = 8 << 20  # a leaf this big has every core to itself: BLAKE3 spreads its chunks over them
+
+
 def digests(tree: Any, *, progress: Callable[[int], None] | None = None) -> Digests:
-    """Every leaf's digest and the root's, leaf by leaf, two leaves at a time (BLAKE3 hashes
-    a big chunk on every core by itself)."""
+    """Every leaf's digest and the root's: big leaves one at a time (BLAKE3 hashes each chunk
+    on every core, the next chunk read meanwhile), small ones two at a time (their reads
+    and per-leaf work overlap)."""
     from treecli._bytes import stream
 
     items = [(keypath_name(keypath), leaf) for keypath, leaf in _tree.flatten(tree)]
@@ -73,7 +77,12 @@ def digests(tree: Any, *, progress: Callable[[int], None] | None = None) -> Dige
         name, leaf = item
         found[name] = leaf_digest(leaf, progress)
 
-    stream.each_on_two_threads(visit, items)
+    def is_big(item: tuple[str, Any]) -> bool:
+        return _leaf.is_array(item[1]) and _leaf.as_leaf(item[1]).stored_nbytes >= _ONE_AT_A_TIME
+
+    stream.each_on_two_threads(visit, [item for item in items if not is_big(item)])
+    for item in filter(is_big, items):
+        visit(item)
     return Digests(found)
 
 
