@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 import treecli
 
 from .conftest import assert_clean_error
+from .test_remote import server  # noqa: F401  (the HTTP server fixture)
 
 
 def _weights():
@@ -164,3 +165,32 @@ def test_the_api_hashes_in_memory_and_sharded_jax_arrays_as_whole_arrays(model):
     assert treecli.hash(in_memory).root == from_file.root
     assert treecli.hash({"model": {"embed": {"weight": sharded}}}).root == from_file.root
     assert treecli.verify(model, from_file, where="model.embed.**").equal
+
+
+def test_a_remote_checkpoint_hashes_as_its_local_copy(cli, model, tmp_path, server):  # noqa: F811
+    """Over HTTP and from the Hub (the fixture's local server): the same digests as the file's."""
+    server.files["/m.safetensors"] = model.read_bytes()
+    server.files["/org/repo/resolve/main/model.safetensors"] = model.read_bytes()
+    expected = treecli.hash(model).root
+    assert cli("hash", f"{server.url}/m.safetensors").stdout.split()[0] == expected
+    assert treecli.hash("hf://org/repo").root == expected
+    assert cli("verify", "hf://org/repo", model).code == 0
+
+
+def test_the_corpus_hashes_alike_in_every_format_it_converts_to(cli, tmp_path):
+    """Checkpoints written by the real libraries (../shared/corpus, where this checkout has
+    it): a copy in each format treecli writes holds the same digests."""
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    if not corpus.is_dir():
+        pytest.skip("no ../shared/corpus beside this checkout")
+    for source, target, options in [
+        (corpus / "safetensors" / "hf_tiny_llama", "llama.npz", []),
+        (corpus / "safetensors" / "hf_tiny_llama_bf16", "llama_bf16", ["--format", "orbax"]),
+        (corpus / "orbax" / "flax_linen_trainstate", "state.safetensors", []),
+        (corpus / "safetensors" / "dtype_zoo_with_metadata.safetensors", "zoo.npz", []),
+    ]:
+        assert cli("convert", source, tmp_path / target, *options).code == 0, source
+        result = cli("verify", tmp_path / target, source)
+        assert result.code == 0, (source, result.stdout, result.stderr)
