@@ -138,6 +138,19 @@ def test_diff_on_three_processes_says_what_one_says(models):
     assert [r.returncode for r in same] == [0, 0]
 
 
+def test_hash_and_verify_on_three_processes_say_what_one_says(models, tmp_path):
+    """Issue 44: each process hashes its share of the leaves; the digests are the whole's."""
+    single = alone("hash", models[0], "--json")
+    results = launch(3, "hash", models[0], "--json")
+    assert single.returncode == 0 and [r.returncode for r in results] == [0, 0, 0], [r.stderr for r in results]
+    assert results[0].stdout == single.stdout and '"leaves"' in single.stdout
+    assert results[1].stdout == results[2].stdout == ""  # process 0 speaks for all
+    differ = launch(2, "verify", models[0], models[1], "--json")
+    assert [r.returncode for r in differ] == [1, 1]
+    assert differ[0].stdout == alone("verify", models[0], models[1], "--json").stdout
+    assert [r.returncode for r in launch(2, "verify", models[2], models[2])] == [0, 0]
+
+
 def test_processes_that_run_other_commands_or_inputs_stop_before_any_work(models, tmp_path):
     """Two runs on one address pair up, or one process was given other inputs: each says so
     in one line, before reading a byte; nothing is written."""

@@ -86,7 +86,7 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
         if not any(_keypath.covers(pattern, kp) for kp in keypaths.values()):
             raise _tree.no_match(a if flat_a else b, text)
     order = sorted(keypaths, key=lambda t: tuple(_keypath.natural_sort_key(k) for k in keypaths[t]))
-    owner = _owners([(t, flat_a[t][1]) for t in order if t in flat_a and t in flat_b], part[1])
+    owner = _tree.shares([(t, flat_a[t][1]) for t in order if t in flat_a and t in flat_b], part[1])
     for text in order:
         if not wanted(keypaths[text]):
             continue
@@ -103,20 +103,6 @@ def diff(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None
         result.changed = sorted((c for changes in gather(result.changed) for c in changes),
                                 key=lambda c: rank[c.keypath])
     return result
-
-
-def _owners(pairs: list[tuple[str, Any]], parts: int) -> dict[str, int]:
-    """Which part compares each pair: the next array to the part with the fewest bytes so
-    far, other leaves to part 0 — the same answer in every process."""
-    owner: dict[str, int] = {}
-    load = [0] * parts
-    for text, leaf in pairs:
-        if _leaf.is_array(leaf) and parts > 1:
-            owner[text] = load.index(min(load))
-            load[owner[text]] += _leaf.as_leaf(leaf).nbytes
-        else:
-            owner[text] = 0
-    return owner
 
 
 def _compare(x: Any, y: Any, text: str, rtol, atol, progress) -> Change | None:

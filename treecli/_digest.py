@@ -64,13 +64,18 @@ def keypath_name(keypath: tuple) -> str:
 _ONE_AT_A_TIME = 8 << 20  # a leaf this big has every core to itself: BLAKE3 spreads its chunks over them
 
 
-def digests(tree: Any, *, progress: Callable[[int], None] | None = None) -> Digests:
+def digests(tree: Any, *, progress: Callable[[int], None] | None = None, part: tuple[int, int] = (0, 1),
+            gather: Callable[[dict[str, str]], list[dict[str, str]]] | None = None) -> Digests:
     """Every leaf's digest and the root's: big leaves one at a time (BLAKE3 hashes each chunk
     on every core, the next chunk read meanwhile), small ones two at a time (their reads
-    and per-leaf work overlap)."""
+    and per-leaf work overlap). ``part``: ``(i, n)``, digest only the i-th of n shares of
+    the leaves (by bytes, the same shares in every process of a run); ``gather`` then gives
+    every part's digests for this part's (the processes exchange them): the whole tree's."""
     from treecli._bytes import stream
 
-    items = [(keypath_name(keypath), leaf) for keypath, leaf in _tree.flatten(tree)]
+    named = [(keypath_name(keypath), leaf) for keypath, leaf in _tree.flatten(tree)]
+    owner = _tree.shares(named, part[1])
+    items = [item for item in named if owner[item[0]] == part[0]]
     found: dict[str, str] = {}
 
     def visit(item: tuple[str, Any]) -> None:
@@ -83,6 +88,8 @@ def digests(tree: Any, *, progress: Callable[[int], None] | None = None) -> Dige
     stream.each_on_two_threads(visit, [item for item in items if not is_big(item)])
     for item in filter(is_big, items):
         visit(item)
+    if gather is not None:
+        found = {name: digest for share in gather(found) for name, digest in share.items()}
     return Digests(found)
 
 

@@ -304,3 +304,18 @@ def same_bytes(a, b) -> bool:
     words = x.size // 8 * 8
     return bool(np.array_equal(x[:words].view(np.uint64), y[:words].view(np.uint64))) and \
         x[words:].tobytes() == y[words:].tobytes()
+
+
+def shares(pairs: list[tuple[str, Any]], parts: int) -> dict[str, int]:
+    """Which of ``parts`` processes takes each named leaf (``diff``'s comparisons, ``hash``'s
+    digests): the next array to the part with the fewest bytes so far, other leaves to part
+    0 — the same answer in every process."""
+    owner: dict[str, int] = {}
+    load = [0] * parts
+    for text, leaf in pairs:
+        if _leaf.is_array(leaf) and parts > 1:
+            owner[text] = load.index(min(load))
+            load[owner[text]] += _leaf.as_leaf(leaf).nbytes
+        else:
+            owner[text] = 0
+    return owner

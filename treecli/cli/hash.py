@@ -47,7 +47,7 @@ def hash_(
     with open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
         tree = _digest.selected(ckpt.tree, where or [])
         with out.progress("hashing", _stored_total(tree)) as advance:
-            found = _digest.digests(tree, progress=advance)
+            found = _digest.digests(tree, progress=advance, **_shared())
     if output is not None:
         _write_manifest(output, found)
     if json:
@@ -93,3 +93,24 @@ def _write_manifest(output: Path, found: Any) -> None:
 
     with atomic_file(output) as tmp:
         tmp.write_text(json.dumps(found.as_json(), indent=1) + "\n")
+
+
+def _shared() -> dict:
+    """Where several processes run the command: each hashes its share of the leaves, and
+    every process gets all the digests (through the run's coordinator)."""
+    import json
+
+    from treecli import _cluster
+
+    cluster = _cluster.current()
+    if cluster is None:
+        return {}
+    rounds = iter(range(1 << 30))
+
+    def gather(found: dict) -> list:
+        turn = next(rounds)  # (verify hashes twice: each exchange its own keys)
+        cluster.tell(f"hash/{turn}/{cluster.process_id}", json.dumps(found))
+        cluster.agree("hash its share")
+        return [json.loads(cluster.hear(f"hash/{turn}/{i}")) for i in range(cluster.count)]
+
+    return {"part": (cluster.process_id, cluster.count), "gather": gather}
