@@ -219,3 +219,34 @@ def parse_weights(text: str | None, count: int) -> list[float]:
     if len(weights) != count:
         raise UsageError(f"--weights has {counted(len(weights), 'value')} for {counted(count, 'input')}")
     return weights
+
+
+def hashed(out: Output, tree: Any, what: str, shares: dict) -> Any:
+    """The digests of ``tree``'s weights (``_digest.digests``), with a progress bar over its
+    stored bytes; ``shares``: ``hash_shares``'."""
+    from treecli import _digest, _leaf, _tree
+
+    total = sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
+    with out.progress(what, total) as advance:
+        return _digest.digests(tree, progress=advance, **shares)
+
+
+def hash_shares(command: str) -> dict:
+    """Where several processes run ``command``: each hashes its share of the leaves, and every
+    process gets all the digests (through the run's coordinator); else nothing to share."""
+    import json
+
+    from treecli import _cluster
+
+    cluster = _cluster.current()
+    if cluster is None:
+        return {}
+    rounds = iter(range(1 << 30))
+
+    def gather(found: dict) -> list:
+        turn = next(rounds)  # (verify hashes twice: each exchange has keys of its own)
+        cluster.tell(f"{command}/{turn}/{cluster.process_id}", json.dumps(found))
+        cluster.agree("hash its share")
+        return [json.loads(cluster.hear(f"{command}/{turn}/{i}")) for i in range(cluster.count)]
+
+    return {"part": (cluster.process_id, cluster.count), "gather": gather}

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input
+from treecli.cli._common import about, hash_shares, hashed, open_input
 from treecli.cli._output import Output
 
 
@@ -46,8 +46,7 @@ def hash_(
         _check_manifest_target(output, force, checkpoint)
     with open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
         tree = _digest.selected(ckpt.tree, where or [])
-        with out.progress("hashing", _stored_total(tree)) as advance:
-            found = _digest.digests(tree, progress=advance, **_shared())
+        found = hashed(out, tree, "hashing", hash_shares("hash"))
     if output is not None:
         _write_manifest(output, found)
     if json:
@@ -56,12 +55,6 @@ def hash_(
         out.lines([f"{found.root}  {_shown(str(checkpoint))}"])
         written = f"; manifest written to {output}" if output is not None else ""
         out.note(counted(len(found.leaves), "leaf", "leaves") + written)
-
-
-def _stored_total(tree: Any) -> int:
-    from treecli import _leaf, _tree
-
-    return sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
 
 
 def _shown(text: str) -> str:
@@ -94,23 +87,3 @@ def _write_manifest(output: Path, found: Any) -> None:
     with atomic_file(output) as tmp:
         tmp.write_text(json.dumps(found.as_json(), indent=1) + "\n")
 
-
-def _shared() -> dict:
-    """Where several processes run the command: each hashes its share of the leaves, and
-    every process gets all the digests (through the run's coordinator)."""
-    import json
-
-    from treecli import _cluster
-
-    cluster = _cluster.current()
-    if cluster is None:
-        return {}
-    rounds = iter(range(1 << 30))
-
-    def gather(found: dict) -> list:
-        turn = next(rounds)  # (verify hashes twice: each exchange its own keys)
-        cluster.tell(f"hash/{turn}/{cluster.process_id}", json.dumps(found))
-        cluster.agree("hash its share")
-        return [json.loads(cluster.hear(f"hash/{turn}/{i}")) for i in range(cluster.count)]
-
-    return {"part": (cluster.process_id, cluster.count), "gather": gather}

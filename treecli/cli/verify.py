@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input
+from treecli.cli._common import about, hash_shares, hashed, open_input
 from treecli.cli._output import Output
 from treecli.cli._status import ExitStatus
 
@@ -46,11 +46,11 @@ def verify(
     expected = read_manifest(against)
     with open_input(out, checkpoint, step=step, like=like) as ckpt, about(checkpoint):
         tree = _digest.selected(ckpt.tree, where or [])
-        shared = _shared()
-        found = _hashed(out, tree, "hashing", shared)
+        shared = hash_shares("verify")
+        found = hashed(out, tree, "hashing", shared)
         if expected is None:
             with open_input(out, against, step=step, like=like) as other:
-                expected = _hashed(out, _digest.selected(other.tree, where or []), "hashing AGAINST", shared)
+                expected = hashed(out, _digest.selected(other.tree, where or []), "hashing AGAINST", shared)
         else:  # (a manifest of the whole: only the leaves selected here are expected)
             expected = _digest.restricted(expected, where or [])
     result = _digest.compare(found, expected)
@@ -63,14 +63,6 @@ def verify(
     return ExitStatus.OK if result.equal else ExitStatus.DIFFERENCES
 
 
-def _hashed(out: Output, tree: Any, what: str, shared: dict) -> Any:
-    from treecli import _digest, _leaf, _tree
-
-    total = sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
-    with out.progress(what, total) as advance:
-        return _digest.digests(tree, progress=advance, **shared)
-
-
 def _print(out: Output, result: Any) -> None:
     from treecli import _render
 
@@ -80,23 +72,3 @@ def _print(out: Output, result: Any) -> None:
     out.lines(_render.table(["key path", ""], rows, set()))
     out.warn(f"{len(result.differ)} differ, {len(result.missing)} missing, {len(result.extra)} not expected")
 
-
-def _shared() -> dict:
-    """Where several processes run the command: each hashes its share of the leaves, and
-    every process gets all the digests (through the run's coordinator)."""
-    import json
-
-    from treecli import _cluster
-
-    cluster = _cluster.current()
-    if cluster is None:
-        return {}
-    rounds = iter(range(1 << 30))
-
-    def gather(found: dict) -> list:
-        turn = next(rounds)  # (verify hashes twice: each exchange its own keys)
-        cluster.tell(f"verify/{turn}/{cluster.process_id}", json.dumps(found))
-        cluster.agree("hash its share")
-        return [json.loads(cluster.hear(f"verify/{turn}/{i}")) for i in range(cluster.count)]
-
-    return {"part": (cluster.process_id, cluster.count), "gather": gather}
