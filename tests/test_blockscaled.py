@@ -22,7 +22,7 @@ from safetensors.torch import save_file  # noqa: E402  (torch's, for float8 tens
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
-def _fp8_model(directory, seed=0):
+def _fp8_model(directory, seed=0, scale_fmt=None):
     """A tiny Llama whose projections are FP8 in 128x128 blocks, as DeepSeek-V3's are: each
     block's scale its largest magnitude over 448 (E4M3's largest)."""
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
@@ -37,11 +37,14 @@ def _fp8_model(directory, seed=0):
         rows, cols = weight.shape
         blocks = weight.float().reshape(rows // 128, 128, cols // 128, 128)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        if scale_fmt == "ue8m0":  # (DeepSeek-V3.1's: each scale a power of two)
+            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
         tensors[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
         tensors[name + "_scale_inv"] = scale.float().contiguous()
     directory.mkdir(parents=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    settings = {**config.to_dict(), "dtype": "bfloat16", "quantization_config": FP8_CONFIG}
+    quantization = {**FP8_CONFIG, **({"scale_fmt": scale_fmt} if scale_fmt else {})}
+    settings = {**config.to_dict(), "dtype": "bfloat16", "quantization_config": quantization}
     (directory / "config.json").write_text(json.dumps(settings))
     return directory
 
@@ -243,3 +246,44 @@ def test_a_renamed_fp8_weight_keeps_its_blocks_under_its_new_name(cli, fp8, tmp_
         assert torch.equal(f.get_tensor("model.layers.0.mlp.w2.kernel_scale_inv"),
                            original.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv"))
         assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in f.keys()
+
+
+def test_a_ue8m0_checkpoint_s_changed_weight_gets_power_of_two_scales_as_transformers_gives(cli, tmp_path):
+    import types
+
+    import treecli
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    model = _fp8_model(tmp_path / "m", scale_fmt="ue8m0")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert cli("edit", model, "-o", tmp_path / "e", "--scale", f"{name}=3").code == 0
+    tripled = torch.tensor(_flat(treecli.load(model))[name].astype(np.float32) * 3).to(torch.bfloat16)
+    quantizer = Fp8Quantize(types.SimpleNamespace(
+        quantization_config=transformers.FineGrainedFP8Config(scale_fmt="ue8m0")))
+    expected = quantizer._quantize_one(name, tripled)
+    with safe_open(tmp_path / "e" / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor(name).view(torch.uint8), expected[name].view(torch.uint8))
+        scales = f.get_tensor(name + "_scale_inv")
+        assert scales.dtype == torch.float32  # (as the checkpoint's were)
+        assert torch.equal(scales, expected[name + "_scale_inv"].float())
+
+
+def test_fp8_with_e8m0_byte_scales_reads_and_requantizes_in_bytes(cli, tmp_path):
+    """MXFP8-style scales: uint8 E8M0 exponents (2^(byte - 127)), as transformers reads them."""
+    import treecli
+
+    rng = np.random.default_rng(0)
+    weight = torch.tensor(rng.standard_normal((256, 256)).astype(np.float32)).to(torch.float8_e4m3fn)
+    scales = torch.tensor(np.array([[126, 127], [128, 130]], np.uint8))
+    directory = tmp_path / "m"
+    directory.mkdir()
+    save_file({"w.weight": weight, "w.weight_scale_inv": scales}, str(directory / "model.safetensors"))
+    values = _flat(treecli.load(directory))["w.weight"].astype(np.float32)
+    by_block = np.repeat(np.repeat(2.0 ** (scales.numpy().astype(np.float32) - 127), 128, 0), 128, 1)
+    expected = (weight.float().numpy() * by_block).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(values, expected)
+    assert cli("edit", directory, "-o", tmp_path / "e", "--scale", "w.weight=2").code == 0
+    with safe_open(tmp_path / "e" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("w.weight_scale_inv").dtype == torch.uint8
+    doubled = _flat(treecli.load(tmp_path / "e"))["w.weight"].astype(np.float32)
+    np.testing.assert_allclose(doubled, values * 2, rtol=1 / 8, atol=2 ** -6 * np.abs(values).max())

@@ -68,6 +68,7 @@ def logical_items(items: list[tuple[str, Any]], config_text: str | None) -> list
     dtype = dtype if dtype in _LOGICAL else "bfloat16"
     quantization = config.get("quantization_config")
     block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    powers_of_two = isinstance(quantization, dict) and quantization.get("scale_fmt") == "ue8m0"
     named = dict(items)
     made: dict[str, tuple[str, Any]] = {}  # a stored name -> the logical name and leaf it becomes (None: gone)
     for name, leaf in items:
@@ -75,6 +76,7 @@ def logical_items(items: list[tuple[str, Any]], config_text: str | None) -> list
             weight_name = name[: -len(FP8_SCALES)]
             logical = _fp8(named[weight_name], leaf, block, dtype)
             if logical is not None:
+                logical.powers_of_two = powers_of_two  # (its scales requantized as powers of two, as written)
                 made[weight_name], made[name] = (weight_name, logical), (name, None)
         elif name.endswith(MX_BLOCKS) and name[: -len(MX_BLOCKS)] + MX_SCALES in named:
             base = name[: -len(MX_BLOCKS)]
@@ -239,7 +241,8 @@ def _parts(leaf: Any, requantized: dict[str, int]) -> dict[str, Any] | None:
     if block is None:
         return None
     requantized[origin.scheme] = requantized.get(origin.scheme, 0) + 1
-    return _fp8_parts(leaf, block)
+    stored = origin.parts[FP8_SCALES].dtype_name  # (the scales written in the dtype they were read in)
+    return _fp8_parts(leaf, block, getattr(origin, "powers_of_two", False) or stored == "uint8", stored)
 
 
 def _requantizable(leaf: Any, origin: BlockScaledLeaf) -> tuple[int, int] | None:
@@ -252,11 +255,12 @@ def _requantizable(leaf: Any, origin: BlockScaledLeaf) -> tuple[int, int] | None
     return block
 
 
-def _fp8_parts(leaf: Any, block: tuple[int, int]) -> dict[str, Any]:
+def _fp8_parts(leaf: Any, block: tuple[int, int], powers_of_two: bool, scale_dtype: str) -> dict[str, Any]:
     """``leaf``'s values as FP8 blocks and their ``_scale_inv``, as transformers' ``Fp8Quantize``
-    makes them: each block's scale 448 over its largest magnitude (1 for a block of zeros),
-    the values times it clamped to E4M3's range and rounded; a band of ``block[0]`` rows at
-    a time."""
+    makes them: each block's scale 448 over its largest magnitude (1 for a block of zeros;
+    ``powers_of_two``, a ``scale_fmt: ue8m0`` checkpoint's: its inverse rounded up to a power
+    of two), the values times it clamped to E4M3's range and rounded; a band of
+    ``block[0]`` rows at a time. The scales are of ``scale_dtype`` (``uint8``: E8M0 bytes)."""
     rows, cols = leaf.shape[-2:]
     held: dict[int, tuple[Any, Any]] = {}
 
@@ -272,8 +276,17 @@ def _fp8_parts(leaf: Any, block: tuple[int, int]) -> dict[str, Any]:
             with np.errstate(all="ignore"):
                 scales = np.where(largest > 0, np.float32(448.0) / np.where(largest > 0, largest, np.float32(1)),
                                   np.float32(1))
+                inverse = np.float32(1) / scales
+                if powers_of_two:
+                    tiny = np.finfo(np.float32).tiny
+                    inverse = np.exp2(np.ceil(np.log2(np.maximum(inverse, tiny)))).astype(np.float32)
+                    scales = np.float32(1) / inverse
                 scaled = np.clip(tiles * scales[None, :, None], np.float32(-448.0), np.float32(448.0))
-            held[index] = (scaled.astype(ml_dtypes.float8_e4m3fn).reshape(-1), (np.float32(1) / scales))
+            if scale_dtype == "uint8":  # (E8M0: the exponent, biased by 127)
+                inverse = (np.log2(inverse) + np.float32(127)).astype(np.uint8)
+            else:
+                inverse = inverse.astype(_dtypes.numpy_dtype(scale_dtype))
+            held[index] = (scaled.astype(ml_dtypes.float8_e4m3fn).reshape(-1), inverse)
         return held[index]
 
     def weight(start: int, stop: int) -> Any:
@@ -292,7 +305,7 @@ def _fp8_parts(leaf: Any, block: tuple[int, int]) -> dict[str, Any]:
 
     scale_shape = (*leaf.shape[:-2], rows // block[0], cols // block[1])
     return {"": _leaf.ComputedLeaf(leaf.shape, "float8_e4m3fn", weight, inputs=[leaf]),
-            FP8_SCALES: _leaf.ComputedLeaf(scale_shape, "float32", scale, inputs=[leaf])}
+            FP8_SCALES: _leaf.ComputedLeaf(scale_shape, scale_dtype, scale, inputs=[leaf])}
 
 
 def _array_leaves(tree: Any) -> Any:
