@@ -287,3 +287,22 @@ def test_fp8_with_e8m0_byte_scales_reads_and_requantizes_in_bytes(cli, tmp_path)
         assert f.get_tensor("w.weight_scale_inv").dtype == torch.uint8
     doubled = _flat(treecli.load(tmp_path / "e"))["w.weight"].astype(np.float32)
     np.testing.assert_allclose(doubled, values * 2, rtol=1 / 8, atol=2 ** -6 * np.abs(values).max())
+
+
+def test_mxfp4_values_read_in_any_chunks_are_the_whole_s(mxfp4):
+    """A chunk reads only the groups it covers (memory of its own size): pieces of 1, 7, 33 and
+    1,000 values, across experts, make the values read whole."""
+    import treecli
+    from treecli import _leaf
+
+    leaf = _leaf.as_leaf(treecli.load(mxfp4)["model"]["layers"]["0"]["mlp"]["experts"]["gate_up_proj"])
+    whole = np.asarray(leaf).reshape(-1)
+    for step in (1, 7, 33, 1000):
+        starts = range(0, leaf.size, max(step, leaf.size // 40))
+        for start in starts:
+            stop = min(leaf.size, start + step)
+            assert np.array_equal(leaf.read_flat(start, stop).view(np.uint16), whole[start:stop].view(np.uint16))
+    slab = leaf.size // leaf.shape[0]
+    for boundary in range(slab, leaf.size, slab):  # (a chunk across two experts)
+        piece = leaf.read_flat(boundary - 5, boundary + 70)
+        assert np.array_equal(piece.view(np.uint16), whole[boundary - 5 : boundary + 70].view(np.uint16))

@@ -153,21 +153,19 @@ def _mxfp4(blocks: Any, scales: Any, dtype: str) -> BlockScaledLeaf | None:
     experts, rows, groups, _ = blocks.shape
     inputs = groups * 32
     slab = inputs * rows
-    held: dict[int, Any] = {}  # the expert last made: a chunk reads within one or two
 
-    def expert(e: int) -> Any:
+    def values_of(e: int, first: int, last: int) -> Any:
+        """Expert ``e``'s groups ``[first, last)`` as values, transposed: (inputs, rows). Only
+        their bytes are read, so a chunk's memory is its own, whatever the expert's size."""
         import numpy as np
 
-        if e not in held:
-            held.clear()
-            raw = np.asarray(blocks.read((e,))).reshape(rows, groups, 16)
-            exponents = np.asarray(scales.read((e,))).astype(np.int32).reshape(rows, groups, 1) - 127
-            table = np.asarray(_FP4_E2M1, np.float32)
-            values = np.stack([table[raw & 0x0F], table[raw >> 4]], axis=-1).reshape(rows, groups, 32)
-            with np.errstate(all="ignore"):
-                values = np.ldexp(values, exponents)  # (torch.ldexp's values, bit for bit)
-            held[e] = np.ascontiguousarray(values.reshape(rows, inputs).T.astype(_dtypes.numpy_dtype(dtype)))
-        return held[e]
+        raw = np.asarray(blocks.read((e, slice(None), slice(first, last)))).reshape(rows, last - first, 16)
+        exponents = np.asarray(scales.read((e, slice(None), slice(first, last)))).astype(np.int32)
+        table = np.asarray(_FP4_E2M1, np.float32)
+        values = np.stack([table[raw & 0x0F], table[raw >> 4]], axis=-1).reshape(rows, last - first, 32)
+        with np.errstate(all="ignore"):
+            values = np.ldexp(values, exponents.reshape(rows, last - first, 1) - 127)  # (torch.ldexp's, bit for bit)
+        return values.reshape(rows, (last - first) * 32).T.astype(_dtypes.numpy_dtype(dtype))
 
     def compute(start: int, stop: int) -> Any:
         import numpy as np
@@ -175,9 +173,11 @@ def _mxfp4(blocks: Any, scales: Any, dtype: str) -> BlockScaledLeaf | None:
         pieces, at = [], start
         while at < stop:
             e, offset = divmod(at, slab)
-            end = min(stop, (e + 1) * slab)
-            pieces.append(expert(e).reshape(-1)[offset : offset + end - at])
-            at = end
+            end = min(stop, (e + 1) * slab) - e * slab  # (this expert's part of the chunk)
+            first, last = offset // rows // 32, -(-(-(-end // rows)) // 32)  # (the groups it covers)
+            part = values_of(e, first, last).reshape(-1)
+            pieces.append(part[offset - first * 32 * rows : end - first * 32 * rows])
+            at = e * slab + end
         return np.concatenate(pieces) if len(pieces) != 1 else pieces[0].copy()
 
     return BlockScaledLeaf((experts, inputs, rows), dtype, compute, {MX_BLOCKS: blocks, MX_SCALES: scales}, "MXFP4")
