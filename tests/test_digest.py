@@ -174,7 +174,33 @@ def test_a_remote_checkpoint_hashes_as_its_local_copy(cli, model, tmp_path, serv
     expected = treecli.hash(model).root
     assert cli("hash", f"{server.url}/m.safetensors").stdout.split()[0] == expected
     assert treecli.hash("hf://org/repo").root == expected
+
+
+def test_verify_checks_a_hub_repository_s_files_against_the_hub_s_own_digests(cli, model, tmp_path,
+                                                                              server):  # noqa: F811
+    """Item 2: each file of an hf:// checkpoint, read whole, against the SHA-256 the Hub lists
+    for it (an LFS file's; a file outside LFS, its git blob SHA-1)."""
+    import hashlib
+
+    data = model.read_bytes()
+    server.files["/org/repo/resolve/main/model.safetensors"] = data
+    api = "/api/models/org/repo/revision/main?blobs=true"
+
+    def publish(entry):
+        server.files[api] = json.dumps({"siblings": [{"rfilename": "model.safetensors", **entry}]}).encode()
+
+    publish({"lfs": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}})
+    result = cli("verify", "hf://org/repo", model)
+    assert result.code == 0 and "1 file the Hub's SHA-256" in result.stderr, result.stderr
+    publish({"blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()})
     assert cli("verify", "hf://org/repo", model).code == 0
+    publish({"lfs": {"sha256": "0" * 64, "size": len(data)}})  # (the Hub's file is not the one read)
+    result = cli("verify", "hf://org/repo", model)
+    assert result.code == 1
+    assert "! hf://org/repo/model.safetensors: its SHA-256 is not the one the Hub publishes" in result.stdout
+    del server.files[api]  # (no list from the Hub: said, not passed over)
+    result = cli("verify", "hf://org/repo", model)
+    assert result.code == 1 and "the Hub publishes no digest of it" in result.stdout
 
 
 def test_the_corpus_hashes_alike_in_every_format_it_converts_to(cli, tmp_path):

@@ -44,31 +44,64 @@ def verify(
     if against is None:
         raise UsageError("give AGAINST: a manifest (treecli hash CKPT -o FILE) or another checkpoint")
     expected = read_manifest(against)
+    files: list[str] = []  # (a Hub repository's files, checked against the Hub's own digests)
     with open_input(out, checkpoint, step=step, like=like) as ckpt, about(checkpoint):
         tree = _digest.selected(ckpt.tree, where or [])
         shared = hash_shares("verify")
         found = hashed(out, tree, "hashing", shared)
+        files += _hub_files(checkpoint, tree)
         if expected is None:
             with open_input(out, against, step=step, like=like) as other:
-                expected = hashed(out, _digest.selected(other.tree, where or []), "hashing AGAINST", shared)
+                against_tree = _digest.selected(other.tree, where or [])
+                expected = hashed(out, against_tree, "hashing AGAINST", shared)
+                files += _hub_files(against, against_tree)
         else:  # (a manifest of the whole: only the leaves selected here are expected)
             expected = _digest.restricted(expected, where or [])
+        hub = _hub_mismatches(out, files)
     result = _digest.compare(found, expected)
     if json:
-        out.json({**result.as_json(), "root": found.root, "expected_root": expected.root})
-    elif result.equal:
-        out.note(f"verified: {counted(len(found.leaves), 'leaf', 'leaves')}, root {found.root}")
+        out.json({**result.as_json(), "root": found.root, "expected_root": expected.root, "hub_files": hub})
+    elif result.equal and not hub:
+        checked = f"; {counted(len(files), 'file')} the Hub's SHA-256" if files else ""
+        out.note(f"verified: {counted(len(found.leaves), 'leaf', 'leaves')}, root {found.root}{checked}")
     else:
-        _print(out, result)
-    return ExitStatus.OK if result.equal else ExitStatus.DIFFERENCES
+        _print(out, result, hub)
+    return ExitStatus.OK if result.equal and not hub else ExitStatus.DIFFERENCES
 
 
-def _print(out: Output, result: Any) -> None:
+def _hub_files(source: str, tree: Any) -> list[str]:
+    """The files of a Hub repository (``hf://``) that hold ``tree``'s leaves."""
+    from treecli import _tree
+
+    if not str(source).startswith("hf://"):
+        return []
+    return sorted(name for name in set(_tree.sources(tree)) if str(name).startswith("hf://"))
+
+
+def _hub_mismatches(out: Output, files: list[str]) -> list[str]:
+    """Each Hub file's SHA-256 against the Hub's (the files read whole, once more)."""
+    from treecli import _cluster
+    from treecli.formats import hub_mismatches
+
+    cluster = _cluster.current()
+    if not files or (cluster is not None and cluster.process_id != 0):  # (process 0 checks the files)
+        return []
+    problems = []
+    for file in files:
+        repository = "/".join(file.split("/", 4)[:4])  # hf://ORG/REPO[@REV]
+        problems += hub_mismatches(repository, [file])
+    return problems
+
+
+def _print(out: Output, result: Any, hub: list[str]) -> None:
     from treecli import _render
 
     rows = [[f"~ {name}", "differs"] for name in result.differ]
     rows += [[f"- {name}", "missing"] for name in result.missing]
     rows += [[f"+ {name}", "not expected"] for name in result.extra]
-    out.lines(_render.table(["key path", ""], rows, set()))
-    out.warn(f"{len(result.differ)} differ, {len(result.missing)} missing, {len(result.extra)} not expected")
+    if rows:
+        out.lines(_render.table(["key path", ""], rows, set()))
+    out.lines([f"! {line}" for line in hub])
+    out.warn(f"{len(result.differ)} differ, {len(result.missing)} missing, {len(result.extra)} not expected"
+             + (f"; {len(hub)} Hub files not as the Hub publishes them" if hub else ""))
 

@@ -478,6 +478,13 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
     return fmt.held(tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree))
 
 
+def hub_mismatches(url: str, files: list[str]) -> list[str]:
+    """Each of ``files`` of an ``hf://`` repository whose SHA-256 is not the Hub's (``_remote``)."""
+    from treecli.formats import _remote
+
+    return _remote.hub_mismatches(url, files)
+
+
 def block_scaled_written(tree: Any) -> Any:
     """``tree`` as an output writes its block-scaled weights (FP8, MXFP4), and how many of
     each scheme it writes requantized and as plain values (``_blockscaled.stored_form``)."""

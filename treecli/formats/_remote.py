@@ -73,3 +73,55 @@ def locate(url: str, files: tuple[str, ...], format: str | None = None,
     exact = {} if url.startswith("hf://") else {urllib.parse.unquote(name): url}  # a query string and all
     return HttpFolder(url.rsplit("/", 1)[0], base + (parent + "/" if parent else ""), headers,
                       files=exact), urllib.parse.unquote(name)
+
+
+# --- the Hub's own digests of a repository's files ---------------------------------------------
+
+_API_BYTES = 64 << 20  # the Hub's answer for a repository of thousands of files
+_READ = 8 << 20
+
+
+def hub_mismatches(url: str, files: list[str]) -> list[str]:
+    """For ``files`` (their ``hf://`` names) of the repository ``url`` names: each whole file
+    read (by ranges, one version of it) and its SHA-256 compared with the one the Hub
+    publishes for it (an LFS file's; a small file's git blob SHA-1 where it is not in LFS).
+    Returns one line for each file that differs, or that the Hub gives no digest for."""
+    import hashlib
+    import json
+
+    from treecli._bytes import http
+
+    parts = url[len("hf://"):].split("/")
+    repo, _, revision = parts[1].partition("@")
+    prefix = f"hf://{parts[0]}/{parts[1]}/"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    quote = urllib.parse.quote
+    api = f"{endpoint}/api/models/{quote(parts[0])}/{quote(repo)}/revision/{quote(revision or 'main', safe='')}" \
+          "?blobs=true"
+    body = http.get_small(api, _headers(url), f"{prefix} (the Hub's file list)", _API_BYTES)
+    try:
+        siblings = json.loads(body or b"{}").get("siblings") or []
+        published = {entry["rfilename"]: (entry.get("lfs") or {}).get("sha256") or ("git", entry.get("blobId"))
+                     for entry in siblings if isinstance(entry, dict) and isinstance(entry.get("rfilename"), str)}
+    except (ValueError, AttributeError, TypeError):
+        published = {}
+    problems = []
+    for file in files:
+        name = file[len(prefix):] if file.startswith(prefix) else file
+        expected = published.get(name)
+        if expected is None:
+            problems.append(f"{file}: the Hub publishes no digest of it")
+            continue
+        reader = http.HttpReader(f"{endpoint}/{quote(parts[0])}/{quote(repo)}/resolve/"
+                                 f"{quote(revision or 'main', safe='')}/{quote(name)}", _headers(url), file)
+        try:
+            reader.start()
+            digest = hashlib.sha256() if isinstance(expected, str) else hashlib.sha1(b"blob %d\0" % reader.size)
+            for start in range(0, reader.size, _READ):
+                digest.update(reader.read(start, min(_READ, reader.size - start)))
+        finally:
+            reader.close()
+        if digest.hexdigest() != (expected if isinstance(expected, str) else expected[1]):
+            kind = "SHA-256" if isinstance(expected, str) else "git blob SHA-1"
+            problems.append(f"{file}: its {kind} is not the one the Hub publishes")
+    return problems
