@@ -130,7 +130,13 @@ def test_a_changed_manifest_and_a_bad_output_are_refused_in_one_line(cli, model,
     manifest.write_text(json.dumps(data))
     assert_clean_error(cli("verify", model, manifest), "was changed")
     assert_clean_error(cli("hash", model, "-o", manifest), "--force")
-    assert_clean_error(cli("hash", model, "-o", model, "--force"), "is the checkpoint")
+    assert_clean_error(cli("hash", model, "-o", model, "--force"), "is the input")
+    # a shard of the directory being hashed is an input too: never replaced by the manifest
+    assert cli("convert", model, tmp_path / "sharded", "--max-shard-size", "300").code == 0
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[0]
+    before = shard.read_bytes()
+    assert_clean_error(cli("hash", tmp_path / "sharded", "-o", shard, "--force"), "is the input")
+    assert shard.read_bytes() == before
     assert_clean_error(cli("verify", model), "give AGAINST")
 
 

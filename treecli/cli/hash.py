@@ -40,11 +40,12 @@ def hash_(
     """
     from treecli import _digest
     from treecli._errors import counted
+    from treecli.formats import check_output
 
     out = Output(quiet=quiet)
-    if output is not None:
-        _check_manifest_target(output, force, checkpoint)
     with open_input(out, checkpoint, input_format, step, like) as ckpt, about(checkpoint):
+        if output is not None:  # (before reading a byte of the weights: never an input, a shard of it too)
+            check_output(output, [ckpt], force=force)
         tree = _digest.selected(ckpt.tree, where or [])
         found = hashed(out, tree, "hashing", hash_shares("hash"))
     if output is not None:
@@ -61,22 +62,6 @@ def _shown(text: str) -> str:
     from treecli._escape import visible
 
     return visible(text)
-
-
-def _check_manifest_target(output: Path, force: bool, checkpoint: str) -> None:
-    """Before reading a byte: the manifest may replace only a regular file, with --force, and
-    never the checkpoint."""
-    from treecli._errors import UsageError
-
-    if output.exists() or output.is_symlink():
-        if not output.is_file() or output.is_symlink():
-            raise UsageError("exists and is not a regular file; name another", file=str(output))
-        if not force:
-            raise UsageError("exists; --force replaces it", file=str(output))
-        if Path(checkpoint).exists() and output.resolve() == Path(checkpoint).resolve():
-            raise UsageError("is the checkpoint being hashed; name another file", file=str(output))
-    if not output.parent.is_dir():
-        raise UsageError("its directory does not exist", file=str(output))
 
 
 def _write_manifest(output: Path, found: Any) -> None:

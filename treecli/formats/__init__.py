@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 from treecli import _tree
 from treecli._errors import FormatError, TreecliError, UsageError, option
-from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS
 from treecli.formats._mixes import ALIASES, MIXES
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
@@ -47,12 +46,9 @@ def get(name: str) -> Format:
     return getattr(importlib.import_module(module), cls)()
 
 
-
 # What a GGUF output quantizes float leaves to (``convert --dtype``): llama.cpp's mixes (each
-# plain type the mix of that type), as llama-quantize names them; and what --tensor-type
-# may give one tensor: the types treecli writes.
+# plain type the mix of that type), as llama-quantize names them.
 GGUF_QUANTIZATIONS = tuple(MIXES) + tuple(ALIASES)
-TENSOR_TYPES = WRITTEN_QUANTIZATIONS
 
 
 def quantized(tree: Any, kind: str, overrides: Sequence[tuple[str, str]] = ()) -> Any:
@@ -67,22 +63,12 @@ def quantized(tree: Any, kind: str, overrides: Sequence[tuple[str, str]] = ()) -
     Raises:
         UsageError: a kind GGUF's writer does not quantize to, an override's bad regex or type.
     """
-    import re
-
     from treecli import _dtypes, _leaf
     from treecli.formats import _mixes, gguf
 
     kind = kind.lower()
     if kind not in GGUF_QUANTIZATIONS:
         raise UsageError(f"cannot quantize to {kind!r}; choose one of {', '.join(GGUF_QUANTIZATIONS)}")
-    for pattern, chosen in overrides:
-        if chosen.lower() not in TENSOR_TYPES:
-            raise UsageError(f"cannot quantize {pattern!r} to {chosen!r}; choose one of {', '.join(TENSOR_TYPES)}")
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise UsageError(f"{pattern!r} is not a regular expression: {e}") from None
-    overrides = [(pattern, chosen.lower()) for pattern, chosen in overrides]
     choose = _mixes.chooser({".".join(map(str, keypath)): tuple(leaf.shape) for keypath, leaf in _tree.flatten(tree)
                              if _leaf.is_array(leaf)}, kind, overrides)
     mix = ALIASES.get(kind, kind)
@@ -491,6 +477,13 @@ def block_scaled_written(tree: Any) -> Any:
     from treecli.formats import _blockscaled
 
     return _blockscaled.stored_form(tree)
+
+
+def check_output(target: Path, inputs: Sequence[Checkpoint], *, force: bool) -> None:
+    """Refuse, as ``save`` does, an output file that may not be replaced (``_outputs.check_target``)."""
+    from treecli.formats import _outputs
+
+    _outputs.check_target(Path(target), _outputs.sources_of(list(inputs)), force=force, rewrite_hint=False)
 
 
 def save_in_place(tree: Any, checkpoint: Checkpoint, *, format: str | None = None,

@@ -16,6 +16,9 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
+from treecli._errors import UsageError
+from treecli.formats._gguf_layout import WRITTEN_QUANTIZATIONS
+
 # llama-quantize's mixes, each with the type most of its tensors take
 MIXES = {"q2_k": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k", "q3_k_l": "q3_k", "q4_k_s": "q4_k", "q4_k_m": "q4_k",
          "q5_k_s": "q5_k", "q5_k_m": "q5_k", "q6_k": "q6_k", "q8_0": "q8_0", "q5_1": "q5_1", "q5_0": "q5_0",
@@ -62,7 +65,7 @@ def chooser(shapes: dict[str, tuple[int, ...]], kind: str, overrides: Sequence[t
     gqa = q_rows // k_rows if k_rows else 1  # (n_head / n_head_kv)
     experts = next((shape[0] for name, shape in shapes.items() if "_exps." in name and len(shape) == 3), 1)
     seventy = layers == 80 and gqa > 1  # llama.cpp's 70B type: 80 layers, grouped KV heads
-    compiled = [(re.compile(pattern), kind) for pattern, kind in overrides]
+    compiled = _compiled(overrides)
 
     def choose(name: str) -> str | None:
         if len(shapes[name]) < 2 or _KEPT.search(name):
@@ -89,6 +92,25 @@ def chooser(shapes: dict[str, tuple[int, ...]], kind: str, overrides: Sequence[t
         return base
 
     return choose
+
+
+def _compiled(overrides: Sequence[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
+    """The overrides' regexes compiled, each with its type: one treecli writes (as
+    ``--tensor-type`` may give one tensor).
+
+    Raises:
+        UsageError: a type treecli does not write, or a regex that is not one.
+    """
+    compiled = []
+    for pattern, chosen in overrides:
+        if chosen.lower() not in WRITTEN_QUANTIZATIONS:
+            raise UsageError(f"cannot quantize {pattern!r} to {chosen!r}; choose one of "
+                             f"{', '.join(WRITTEN_QUANTIZATIONS)}")
+        try:
+            compiled.append((re.compile(pattern), chosen.lower()))
+        except re.error as e:
+            raise UsageError(f"{pattern!r} is not a regular expression: {e}") from None
+    return compiled
 
 
 def _attn_v(mix: str, base: str, index: int, count: int, gqa: int, seventy: bool, experts: int) -> str:

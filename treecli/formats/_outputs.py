@@ -36,8 +36,10 @@ from treecli._bytes.local import special_kind
 from treecli._errors import TreecliError, UsageError, in_cli, option
 from treecli.formats._base import Checkpoint, Format, WriteOptions
 
-def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.stat_result | None:
-    """Refuse a target that may not be replaced; return its stat if it exists.
+def check_target(target: Path, sources: Sequence[Path], *, force: bool, rewrite_hint: bool = True
+                 ) -> os.stat_result | None:
+    """Refuse a target that may not be replaced; return its stat if it exists (``rewrite_hint``:
+    an input refused, name ``--in-place``, where the command has it).
 
     Raises:
         UsageError: its directory is missing; it is a dangling symlink, a special
@@ -64,7 +66,7 @@ def check_target(target: Path, sources: Sequence[Path], *, force: bool) -> os.st
         try:
             if os.path.samestat(os.stat(source), info):
                 raise UsageError(f"output is the input {str(source)!r}"
-                                 + in_cli("; use --in-place to rewrite an input"),
+                                 + (in_cli("; use --in-place to rewrite an input") if rewrite_hint else ""),
                                  file=str(target))
         except OSError:
             continue
