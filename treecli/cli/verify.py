@@ -86,11 +86,7 @@ def _hub_mismatches(out: Output, files: list[str]) -> list[str]:
     cluster = _cluster.current()
     if not files or (cluster is not None and cluster.process_id != 0):  # (process 0 checks the files)
         return []
-    problems = []
-    for file in files:
-        repository = "/".join(file.split("/", 4)[:4])  # hf://ORG/REPO[@REV]
-        problems += hub_mismatches(repository, [file])
-    return problems
+    return hub_mismatches(files)
 
 
 def _print(out: Output, result: Any, hub: list[str]) -> None:

@@ -464,11 +464,11 @@ def held_by(tree: Any, fmt: Format, file: str) -> Any:
     return fmt.held(tree if fmt.holds_numbers or not numbers else _pytree.numbers_as_arrays(tree))
 
 
-def hub_mismatches(url: str, files: list[str]) -> list[str]:
-    """Each of ``files`` of an ``hf://`` repository whose SHA-256 is not the Hub's (``_remote``)."""
+def hub_mismatches(files: list[str]) -> list[str]:
+    """Each of ``files`` (``hf://`` names) whose SHA-256 is not the Hub's (``_remote``)."""
     from treecli.formats import _remote
 
-    return _remote.hub_mismatches(url, files)
+    return _remote.hub_mismatches(files)
 
 
 def block_scaled_written(tree: Any) -> Any:

@@ -25,14 +25,20 @@ from treecli.formats._folder import Folder
 
 def _hub(url: str) -> tuple[str, str]:
     """``hf://ORG/REPO[@REV][/PATH]`` -> (the resolve URL of the repository, PATH or "")."""
+    endpoint, repository, revision, path = _repository(url)
+    return f"{endpoint}/{repository}/resolve/{revision}/", path
+
+
+def _repository(url: str) -> tuple[str, str, str, str]:
+    """``hf://ORG/REPO[@REV][/PATH]`` -> (``HF_ENDPOINT``, ORG/REPO, REV, PATH or ""), quoted."""
     parts = url[len("hf://"):].split("/")
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise UsageError("write a Hub checkpoint as hf://ORG/REPO[@REVISION][/PATH]", file=url)
     repo, _, revision = parts[1].partition("@")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     quote = urllib.parse.quote
-    base = f"{endpoint}/{quote(parts[0])}/{quote(repo)}/resolve/{quote(revision or 'main', safe='')}/"
-    return base, "/".join(quote(p) for p in parts[2:] if p)
+    return (endpoint, f"{quote(parts[0])}/{quote(repo)}", quote(revision or "main", safe=""),
+            "/".join(quote(p) for p in parts[2:] if p))
 
 
 def _headers(url: str) -> dict[str, str]:
@@ -81,47 +87,64 @@ _API_BYTES = 64 << 20  # the Hub's answer for a repository of thousands of files
 _READ = 8 << 20
 
 
-def hub_mismatches(url: str, files: list[str]) -> list[str]:
-    """For ``files`` (their ``hf://`` names) of the repository ``url`` names: each whole file
-    read (by ranges, one version of it) and its SHA-256 compared with the one the Hub
-    publishes for it (an LFS file's; a small file's git blob SHA-1 where it is not in LFS).
-    Returns one line for each file that differs, or that the Hub gives no digest for."""
+def hub_mismatches(files: list[str]) -> list[str]:
+    """For ``files`` (``hf://ORG/REPO[@REV]/PATH`` names), each whole file read (by ranges, one
+    version of it) and its SHA-256 compared with the one the Hub publishes for it (an LFS
+    file's; a small file's git blob SHA-1 where it is not in LFS): each repository's list
+    asked for once. Returns one line for each file that differs, or that the Hub gives no
+    digest for."""
     import hashlib
+
+    from treecli._bytes import http
+
+    problems = []
+    by_repository: dict[str, list[str]] = {}
+    for file in files:
+        by_repository.setdefault("/".join(file.split("/", 4)[:4]), []).append(file)  # (hf://ORG/REPO[@REV])
+    for repository, names in by_repository.items():
+        published = _published(repository)
+        base, _ = _hub(repository)
+        for file in names:
+            name = file[len(repository) + 1:]
+            expected = published.get(name)
+            if expected is None:
+                problems.append(f"{file}: the Hub publishes no digest of it")
+                continue
+            kind, value = expected
+            reader = http.HttpReader(base + urllib.parse.quote(name), _headers(repository), file)
+            try:
+                reader.start()
+                digest = hashlib.sha256() if kind == "SHA-256" else hashlib.sha1(b"blob %d\0" % reader.size)
+                for start in range(0, reader.size, _READ):
+                    digest.update(reader.read(start, min(_READ, reader.size - start)))
+            finally:
+                reader.close()
+            if digest.hexdigest() != value:
+                problems.append(f"{file}: its {kind} is not the one the Hub publishes")
+    return problems
+
+
+def _published(repository: str) -> dict[str, tuple[str, str]]:
+    """The digest the Hub lists for each file of ``hf://ORG/REPO[@REV]``: ("SHA-256", hex) of an
+    LFS file, ("git blob SHA-1", hex) of another; none where the Hub does not answer."""
     import json
 
     from treecli._bytes import http
 
-    parts = url[len("hf://"):].split("/")
-    repo, _, revision = parts[1].partition("@")
-    prefix = f"hf://{parts[0]}/{parts[1]}/"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    quote = urllib.parse.quote
-    api = f"{endpoint}/api/models/{quote(parts[0])}/{quote(repo)}/revision/{quote(revision or 'main', safe='')}" \
-          "?blobs=true"
-    body = http.get_small(api, _headers(url), f"{prefix} (the Hub's file list)", _API_BYTES)
+    endpoint, name, revision, _ = _repository(repository)
+    api = f"{endpoint}/api/models/{name}/revision/{revision}?blobs=true"
+    body = http.get_small(api, _headers(repository), f"{repository} (the Hub's file list)", _API_BYTES)
+    published: dict[str, tuple[str, str]] = {}
     try:
-        siblings = json.loads(body or b"{}").get("siblings") or []
-        published = {entry["rfilename"]: (entry.get("lfs") or {}).get("sha256") or ("git", entry.get("blobId"))
-                     for entry in siblings if isinstance(entry, dict) and isinstance(entry.get("rfilename"), str)}
-    except (ValueError, AttributeError, TypeError):
-        published = {}
-    problems = []
-    for file in files:
-        name = file[len(prefix):] if file.startswith(prefix) else file
-        expected = published.get(name)
-        if expected is None:
-            problems.append(f"{file}: the Hub publishes no digest of it")
+        entries = json.loads(body or b"{}").get("siblings") or []
+    except (ValueError, AttributeError):
+        return published
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("rfilename"), str):
             continue
-        reader = http.HttpReader(f"{endpoint}/{quote(parts[0])}/{quote(repo)}/resolve/"
-                                 f"{quote(revision or 'main', safe='')}/{quote(name)}", _headers(url), file)
-        try:
-            reader.start()
-            digest = hashlib.sha256() if isinstance(expected, str) else hashlib.sha1(b"blob %d\0" % reader.size)
-            for start in range(0, reader.size, _READ):
-                digest.update(reader.read(start, min(_READ, reader.size - start)))
-        finally:
-            reader.close()
-        if digest.hexdigest() != (expected if isinstance(expected, str) else expected[1]):
-            kind = "SHA-256" if isinstance(expected, str) else "git blob SHA-1"
-            problems.append(f"{file}: its {kind} is not the one the Hub publishes")
-    return problems
+        lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
+        if isinstance(lfs.get("sha256"), str):
+            published[entry["rfilename"]] = ("SHA-256", lfs["sha256"])
+        elif isinstance(entry.get("blobId"), str):
+            published[entry["rfilename"]] = ("git blob SHA-1", entry["blobId"])
+    return published
