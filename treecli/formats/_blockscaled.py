@@ -201,19 +201,15 @@ def stored_form(tree: Any) -> Written:
     longer whole blocks) is written as plain values, and then so is every block-scaled
     weight (an output is either the stored scheme or plain weights, as its ``config.json``
     says)."""
-    plain: dict[str, int] = {}
-    requantized: dict[str, int] = {}
-    for leaf in _array_leaves(tree):
-        if not isinstance(leaf, BlockScaledLeaf):
-            origin = _origin(leaf)
-            if origin is not None and _requantizable(leaf, origin) is None:
-                plain[origin.scheme] = plain.get(origin.scheme, 0) + 1
-    if plain:
-        for leaf in _array_leaves(tree):
-            origin = leaf if isinstance(leaf, BlockScaledLeaf) else _origin(leaf)
-            if origin is not None and (leaf is origin or _requantizable(leaf, origin) is not None):
-                plain[origin.scheme] = plain.get(origin.scheme, 0) + 1
+    # each leaf that is, or is computed from, a block-scaled weight, with that weight
+    sourced = [(leaf, leaf if isinstance(leaf, BlockScaledLeaf) else _origin(leaf)) for leaf in _array_leaves(tree)]
+    sourced = [(leaf, origin) for leaf, origin in sourced if origin is not None]
+    if any(leaf is not origin and _requantizable(leaf, origin) is None for leaf, origin in sourced):
+        plain: dict[str, int] = {}
+        for _, origin in sourced:
+            plain[origin.scheme] = plain.get(origin.scheme, 0) + 1
         return Written(tree, plain, {})
+    requantized: dict[str, int] = {}
 
     def expanded(node: Any) -> Any:
         if isinstance(node, dict):
