@@ -40,10 +40,9 @@ _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq")  # (computed by every consume
 _LAYER = re.compile(r"(.*?)\.(0|[1-9][0-9]*)\.(.*)")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "config.json",
                     "special_tokens_map.json")
-# general.file_type by the dtype of most of the weights' bytes (llama.cpp's LlamaFileType)
-_FILE_TYPES = {"float32": "ALL_F32", "float16": "MOSTLY_F16", "bfloat16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-               "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
-               "Q6_K": "MOSTLY_Q6_K", "Q5_K": "MOSTLY_Q5_K_M", "Q4_K": "MOSTLY_Q4_K_M"}
+# general.file_type by the dtype of most of the weights' bytes (llama.cpp's LlamaFileType); weights
+# quantized as they are written get the mix's from the GGUF writer, which knows it
+_FILE_TYPES = {"float32": "ALL_F32", "float16": "MOSTLY_F16", "bfloat16": "MOSTLY_BF16"}
 
 
 class LlamaCpp:
