@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -97,10 +95,8 @@ def write_output(
         tree = held_by(tree, holder, str(target or source.file))
     block_scaled = block_scaled_written(tree)  # (copied as stored, FP8 requantized, or all written plain)
     tree = block_scaled.tree
-    companions = list(source.companions if companions is None else companions)
-    with _plain_config(companions, bool(block_scaled.plain)) as companions:
-        written = _write(out, tree, target, source, inputs, format, force, in_place, max_shard_size, drop_unsupported,
-                         metadata, verify, decided, companions)
+    written = _write(out, tree, target, source, inputs, format, force, in_place, max_shard_size, drop_unsupported,
+                     metadata, verify, decided, list(source.companions if companions is None else companions))
     for scheme, count in block_scaled.requantized.items():
         out.note(f"requantized to {scheme}: {counted(count, 'weight')} whose values changed, as transformers' FP8 "
                  "quantizer quantizes (each block's largest magnitude to 448)")
@@ -143,28 +139,6 @@ def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequ
             save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
                  force=force, verify=verify, decided=decided)
     return target
-
-
-@contextlib.contextmanager
-def _plain_config(companions: list[Path], plain_weights: bool) -> Iterator[list[Path]]:
-    """``companions``, where the weights beside them are plain values now (``plain_weights``)
-    with a ``config.json`` among them rewritten without its ``quantization_config`` (in a
-    temporary directory while it is copied)."""
-    from treecli._bytes.local import read_text
-
-    found = [path for path in companions if Path(path).name == "config.json"] if plain_weights else []
-    try:
-        config = json.loads(read_text(Path(found[0]))) if found else None
-    except (ValueError, OSError, TreecliError):  # (not JSON: copied as it is, as any companion)
-        config = None
-    if not isinstance(config, dict):
-        yield companions
-        return
-    config.pop("quantization_config", None)
-    with tempfile.TemporaryDirectory(prefix="treecli-config-") as work:
-        plain = Path(work) / "config.json"
-        plain.write_text(json.dumps(config, indent=2) + "\n")
-        yield [plain if path in found else path for path in companions]
 
 
 def _say_requantized(out: Output, tree: Any) -> None:

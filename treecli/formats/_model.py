@@ -11,6 +11,8 @@ from typing import Any
 # The names configs give the number of transformer blocks (GPT-2's n_layer, T5's num_layers, ...).
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _MODEL_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what a config's dtype may name
+# a quantization_config's quant_method -> what the name of a tensor it stores ends with (_blockscaled)
+_BLOCK_SCALED = {"fp8": "_scale_inv", "mxfp4": "_blocks"}
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,10 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
     """An HF ``config.json`` made to describe the weights of ``tree`` it goes beside: its
     layer count (``num_hidden_layers`` and the like) after slices, frankenmerges and layer
     deletions, its ``dtype``/``torch_dtype`` after casts, its ``vocab_size`` after embedding
-    edits. Returns ``(text, why)``: the text to write (the same text where nothing
-    changed), or None and why no text can describe the weights. A file that is no model
-    config is left as it is."""
+    edits, no FP8 or MXFP4 ``quantization_config`` where those weights are written as plain
+    values. Returns ``(text, why)``: the text to write (the same text where nothing changed),
+    or None and why no text can describe the weights. A file that is no model config is
+    left as it is."""
     from treecli import _leaf, _tree
     from treecli._keypath import EMBEDDINGS, format_keypath
 
@@ -106,10 +109,12 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
         return text, None
     inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
     stacks: dict[str, set[int]] = {}  # the layers' numbers, by what precedes them ("model.layers.")
+    names = []
     float_bytes: dict[str, int] = {}
     vocab = None
     for keypath, leaf in _tree.flatten(tree):
         name = format_keypath(keypath)
+        names.append(name)
         found = layer_pattern.search(name)
         if found:
             stacks.setdefault(name[: found.start(1)], set()).add(int(found.group(1)))
@@ -146,4 +151,9 @@ def truthful_config(text: str, tree: Any, layer_pattern: Any) -> tuple[str | Non
         put(("torch_dtype", "dtype"), max(float_bytes, key=float_bytes.get))
     if vocab is not None:
         put(("vocab_size",), vocab)
+    quantization = config.get("quantization_config")
+    stored = _BLOCK_SCALED.get(quantization.get("quant_method")) if isinstance(quantization, dict) else None
+    if stored is not None and not any(name.endswith(stored) for name in names):
+        del config["quantization_config"]  # (the weights are plain values now)
+        changed = True
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n" if changed else text), None
