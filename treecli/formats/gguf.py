@@ -517,8 +517,8 @@ class _Quantizing(QuantizedLeaf):
             return blocks, _largest_error(rows, blocks, kind, step.reshape(rows.shape[0], -1), group)
 
         # parts of whole rows, about as many values as the K-quants take at once, on every core
-        step = max(1, _kquants.PART_VALUES // data.shape[1])
-        made = _kquants.on_every_core(part_of, [data[start : start + step] for start in range(0, data.shape[0], step)])
+        rows = max(1, _kquants.PART_VALUES // data.shape[1])
+        made = _kquants.on_every_core(part_of, [data[start : start + rows] for start in range(0, data.shape[0], rows)])
         errors = [error for _, error in made]
         self.error = (max(e[0] for e in errors), max(e[1] for e in errors))
         return np.concatenate([blocks.reshape(-1) for blocks, _ in made])
