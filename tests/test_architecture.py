@@ -17,7 +17,7 @@ CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._error
         "treecli._units", "treecli._leaf", "treecli._devices", "treecli._cluster", "treecli._tree", "treecli._pytree",
         "treecli._gc", "treecli._memory", "treecli._atomic", "treecli._names"}
 OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._configmerge",
-              "treecli._edit", "treecli._diff", "treecli._layers", "treecli._digest"}
+              "treecli._edit", "treecli._diff", "treecli._layers"}
 # shared by operations (and recipes): _tensor_ops' reversible leaves, _transforms' operations by name
 ENGINES = {"treecli._combine", "treecli._selection", "treecli._mergeconfig", "treecli._tensor_ops",
            "treecli._transforms"}

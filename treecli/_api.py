@@ -15,7 +15,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _configmerge, _diff, _digest, _edit, _merge, _pytree, _slice, _tree
+from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli._bytes import digest as _digest
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
 from treecli.formats import WriteOptions, open_checkpoint, save as _save

@@ -198,7 +198,8 @@ def parse_weights(text: str | None, count: int) -> list[float]:
 def hashed(out: Output, tree: Any, what: str, shares: dict) -> Any:
     """The digests of ``tree``'s weights (``_digest.digests``), with a progress bar over its
     stored bytes; ``shares``: ``hash_shares``'."""
-    from treecli import _digest, _leaf, _tree
+    from treecli import _leaf, _tree
+    from treecli._bytes import digest as _digest
 
     total = sum(_leaf.as_leaf(leaf).stored_nbytes for leaf in _tree.leaves(tree) if _leaf.is_array(leaf))
     with out.progress(what, total) as advance:

@@ -38,7 +38,7 @@ def hash_(
         treecli hash Llama-3.2-1B/ -o weights.blake3.json
         treecli hash ckpt_dir --where 'params.**' --json
     """
-    from treecli import _digest
+    from treecli._bytes import digest as _digest
     from treecli._errors import counted
     from treecli.formats import check_output
 

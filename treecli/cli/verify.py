@@ -36,7 +36,7 @@ def verify(
         treecli verify Llama-3-8B/ model.safetensors --where 'model.layers.0.**'
 
     """
-    from treecli import _digest
+    from treecli._bytes import digest as _digest
     from treecli._api import read_manifest
     from treecli._errors import UsageError, counted
 

@@ -1,11 +1,13 @@
-"""Digests of the weights themselves, whatever holds them: ``hash`` and ``verify``.
+"""Digests of the weights themselves, whatever holds them: ``hash``, ``verify`` and the
+record each output keeps of where it came from.
 
 A leaf's digest is BLAKE3 over what the leaf is, not how a file lays it out: its stored
 type and shape, then its elements in C order, little-endian, as stored. A float or integer
 array's type is its dtype (``float32``, ``bfloat16``); a quantized tensor's is its
-quantization (``Q4_K``, ``FP8 128x128``), and its bytes are its stored blocks (and scales),
-so a GGUF copy of a Q4_K tensor hashes as the original does, and its dequantized values
-as the float array they are. A value that is not an array (a step number, a string)
+quantization (``Q4_K``), and its bytes are its stored blocks, so a GGUF copy of a Q4_K
+tensor hashes as the original does, and its dequantized values as the float array they
+are. A leaf stored as several tensors (an FP8 weight and its block scales: ``FP8
+128x128``) hashes each as a leaf of its own, then their digests under its type and shape. A value that is not an array (a step number, a string)
 hashes its Python type and ``repr``. The root digest is BLAKE3 over each leaf's key path
 (its keys joined with ``.``) and digest, sorted by key path: the same weights give the
 same root whatever the format, file, sharding, tensor order or compression.
@@ -65,12 +67,15 @@ _ONE_AT_A_TIME = 8 << 20  # a leaf this big has every core to itself: BLAKE3 spr
 
 
 def digests(tree: Any, *, progress: Callable[[int], None] | None = None, part: tuple[int, int] = (0, 1),
-            gather: Callable[[dict[str, str]], list[dict[str, str]]] | None = None) -> Digests:
+            gather: Callable[[dict[str, str]], list[dict[str, str]]] | None = None,
+            known: Callable[[_leaf.ArrayLeaf], str | None] | None = None) -> Digests:
     """Every leaf's digest and the root's: big leaves one at a time (BLAKE3 hashes each chunk
     on every core, the next chunk read meanwhile), small ones two at a time (their reads
     and per-leaf work overlap). ``part``: ``(i, n)``, digest only the i-th of n shares of
     the leaves (by bytes, the same shares in every process of a run); ``gather`` then gives
-    every part's digests for this part's (the processes exchange them): the whole tree's."""
+    every part's digests for this part's (the processes exchange them): the whole tree's.
+    ``known``: a stored tensor's digest where it is already known (taken as its bytes were
+    written), else None: it is read."""
     from treecli._bytes import stream
 
     named = [(keypath_name(keypath), leaf) for keypath, leaf in _tree.flatten(tree)]
@@ -80,7 +85,7 @@ def digests(tree: Any, *, progress: Callable[[int], None] | None = None, part: t
 
     def visit(item: tuple[str, Any]) -> None:
         name, leaf = item
-        found[name] = leaf_digest(leaf, progress)
+        found[name] = leaf_digest(leaf, progress, known)
 
     def is_big(item: tuple[str, Any]) -> bool:
         return _leaf.is_array(item[1]) and _leaf.as_leaf(item[1]).stored_nbytes >= _ONE_AT_A_TIME
@@ -93,32 +98,57 @@ def digests(tree: Any, *, progress: Callable[[int], None] | None = None, part: t
     return Digests(found)
 
 
-def leaf_digest(leaf: Any, progress: Callable[[int], None] | None = None) -> str:
-    """One leaf's digest (the module's docstring says over what)."""
+def leaf_digest(leaf: Any, progress: Callable[[int], None] | None = None,
+                known: Callable[[_leaf.ArrayLeaf], str | None] | None = None) -> str:
+    """One leaf's digest (the module's docstring says over what); ``known`` as :func:`digests`'."""
     from blake3 import blake3
 
     if not _leaf.is_array(leaf):
         return _hex(blake3(f"py:{type(leaf).__name__}\0{leaf!r}".encode()))
     array = _leaf.as_leaf(leaf)
-    digest = blake3(max_threads=blake3.AUTO)
-    digest.update(f"{array.stored_dtype}\0{','.join(map(str, array.shape))}\0".encode())
+    parts = getattr(array, "parts", None)
+    if array.stored_otherwise and isinstance(parts, dict):
+        # Stored as several tensors (FP8's weight and its scales): each part's own digest, by
+        # the name it adds, under the leaf's type and shape. A writer writes each part as a
+        # tensor of its own and takes its digest then; the leaf's follows from theirs.
+        combined = started(array.stored_dtype, array.shape)
+        for suffix in sorted(parts):
+            combined.update(f"{suffix}\0{leaf_digest(parts[suffix], progress, known)}\n".encode())
+        return _hex(combined)
+    found = known(array) if known is not None else None
+    if found is not None:
+        if progress is not None:
+            progress(array.stored_nbytes)
+        return found
+    digest = started(array.stored_dtype, array.shape)
     for piece in _stored_pieces(array):
         digest.update(piece)
         if progress is not None:
             progress(len(piece))
+    return finished(digest)
+
+
+def started(stored_dtype: str, shape: Sequence[int]) -> Any:
+    """The BLAKE3 of a stored tensor's digest, its type and shape taken in: its bytes follow
+    (:func:`finished` gives the digest). A writer hashes what it writes so."""
+    from blake3 import blake3
+
+    digest = blake3(max_threads=blake3.AUTO)
+    digest.update(f"{stored_dtype}\0{','.join(map(str, shape))}\0".encode())
+    return digest
+
+
+def finished(digest: Any) -> str:
+    """The digest of a stored tensor :func:`started` hashed."""
     return _hex(digest)
 
 
 def _stored_pieces(leaf: _leaf.ArrayLeaf) -> Any:
-    """A leaf's bytes as stored, a chunk at a time: a quantized tensor's blocks (each part in
-    turn, by the name it adds: FP8's weight, then its scales), else its elements."""
+    """A stored tensor's bytes, a chunk at a time: a quantized tensor's blocks, else its
+    elements (C order, little-endian)."""
     from treecli._bytes import stream, writer
 
-    parts = getattr(leaf, "parts", None)
-    if leaf.stored_otherwise and isinstance(parts, dict):
-        for suffix in sorted(parts):
-            yield from _stored_pieces(_leaf.as_leaf(parts[suffix]))
-    elif leaf.stored_otherwise and hasattr(leaf, "read_raw"):
+    if leaf.stored_otherwise and hasattr(leaf, "read_raw"):
         for start in range(0, leaf.raw_nbytes, stream.CHUNK_BYTES):
             yield leaf.read_raw(start, min(leaf.raw_nbytes, start + stream.CHUNK_BYTES))
     else:
