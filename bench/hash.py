@@ -2,7 +2,10 @@
 installed: `apt install b3sum`) and `sha256sum` of the same file, from the page cache (one
 warm-up read first), whole processes, medians of --runs in turns, with peak RSS; then
 `treecli verify` of that file against a copy of it as an HF directory of shards (another
-layout of the same weights) beside `treecli diff`'s equal case of the same pair.
+layout of the same weights) beside `treecli diff`'s equal case of the same pair; then what
+an output's record costs: `convert` of the file (its digests taken as it is written) and
+`average` of the file and its shards (both inputs read again to hash them), each beside the
+same command with `--no-record`.
 
     python bench/hash.py [--gib 2] [--runs 3]
 """
@@ -53,6 +56,11 @@ def main() -> None:
             commands["b3sum"] = ["b3sum", str(source)]
         commands["treecli verify (shards)"] = TREECLI + ["verify", str(work / "shards"), str(source), "-q"]
         commands["treecli diff (equal)"] = TREECLI + ["diff", str(work / "shards"), str(source), "-q"]
+        for name, command in (("convert", ["convert", str(source), str(work / "out.safetensors")]),
+                              ("average", ["average", str(source), str(work / "shards"), "-o",
+                                           str(work / "out.safetensors")])):
+            commands[f"treecli {name}"] = TREECLI + command + ["--force", "-q"]
+            commands[f"treecli {name} --no-record"] = TREECLI + command + ["--force", "-q", "--no-record"]
         results: dict[str, list] = {name: [] for name in commands}
         for _ in range(args.runs):  # (in turns: the VM's noise falls on all alike)
             for name, command in commands.items():

@@ -197,6 +197,21 @@ def test_an_edit_of_an_fp8_weight_writes_it_fp8_again_as_transformers_quantizes(
     assert _same_bits(_flat(treecli.load(tmp_path / "edited"))[name], loaded[name])
 
 
+@pytest.mark.parametrize("edited", [False, True])
+def test_an_fp8_output_records_the_root_hash_gives_it(cli, fp8, tmp_path, edited):
+    """Issue 44: the record's root, taken from each stored tensor's digest as it was written
+    (a weight and its scales: two tensors, one leaf), is what hashing the output gives."""
+    import treecli
+
+    args = ["edit", fp8, "-o", tmp_path / "out", "--scale", "model.layers.0.mlp.down_proj.weight=2"] if edited \
+        else ["convert", fp8, tmp_path / "out"]
+    assert cli(*args).code == 0
+    record = json.loads(treecli.open(tmp_path / "out").metadata["treecli.record"])
+    assert record["root"] == treecli.hash(tmp_path / "out").root
+    assert (record["root"] == treecli.hash(fp8).root) == (not edited)
+    assert record["inputs"] == [{"name": str(fp8), "root": treecli.hash(fp8).root}]
+
+
 def test_a_changed_mxfp4_weight_writes_every_weight_plain_and_says_so(cli, mxfp4, tmp_path):
     import treecli
 

@@ -413,11 +413,16 @@ def test_convert_writes_a_bucket_object_bit_exact(scheme, clouds_fresh, tmp_path
     local = tmp_path / "m.safetensors"
     save_file(tensors, str(local))
     url = f"{scheme}://{BUCKET}/out/{scheme}-m.safetensors"
-    result = cli("convert", local, url)
+    result = cli("convert", local, url, "--no-record")  # (a record names the output: the two would differ there)
     assert result.code == 0, result.stderr
     here = tmp_path / "here.safetensors"
-    assert cli("convert", local, here).code == 0
+    assert cli("convert", local, here, "--no-record").code == 0
     assert _object(clouds_fresh, url) == here.read_bytes()  # what a local write writes, byte for byte
+    recorded = url.replace(".safetensors", "-recorded.safetensors")
+    assert cli("convert", local, recorded).code == 0  # (its roots taken before the upload, whose header goes first)
+    record = cli("show", recorded, "--json").json["record"]
+    assert record["root"] == treecli.hash(recorded).root == treecli.hash(local).root
+    assert record["inputs"] == [{"name": str(local), "root": treecli.hash(local).root}]
     again = cli("convert", local, url)
     assert_clean_error(again, url, "exists", "--force")
     assert cli("edit", local, "-o", url, "--scale", "big=2", "--force").code == 0

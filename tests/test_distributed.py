@@ -4,6 +4,7 @@ output byte-identical to one process's; a failure anywhere publishes nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +16,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+
+import treecli
 
 from .conftest import file_sha256
 
@@ -112,6 +115,9 @@ def test_an_hf_directory_written_by_three_processes_is_the_one_one_writes(models
         assert [r.returncode for r in results] == [0] * count, [r.stderr[-800:] for r in results]
     one, three = ({p.name: file_sha256(p) for p in (tmp_path / n).iterdir()} for n in ("one", "three"))
     assert one == three and "model.safetensors.index.json" in one and "config.json" in one
+    # (the record's roots: taken by process 0 from the finished output, the same as one process's)
+    record = json.loads(treecli.open(tmp_path / "three").metadata["treecli.record"])
+    assert record["root"] == treecli.hash(tmp_path / "three").root == treecli.hash(models[0]).root
     assert len([n for n in one if n.startswith("model-")]) >= 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "source", "three"]
 

@@ -19,7 +19,7 @@ from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slic
 from treecli._bytes import digest as _digest
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
-from treecli.formats import WriteOptions, open_checkpoint, save as _save
+from treecli.formats import Record, WriteOptions, open_checkpoint, save as _save
 from treecli.formats._base import Checkpoint
 
 
@@ -121,8 +121,14 @@ def save(
     force: bool = False,
     drop_unsupported: bool = False,
     verify: bool = False,
+    record: bool = True,
 ) -> Path:
     """Write any pytree (lazy, NumPy or JAX leaves) atomically, streaming leaf by leaf.
+
+    With ``record`` (the default), a format that keeps metadata (safetensors, GGUF, Orbax)
+    holds treecli's record of the output: the root digest of its weights (``hash``), the
+    treecli version, and ``treecli.save`` as the command; ``show`` prints it and ``verify``
+    with no ``against`` checks the weights against it.
 
     With ``verify=True`` the finished temporary is opened by its own reader and every leaf
     checked bit for bit before it replaces anything, as ``treecli convert`` does (a local
@@ -149,7 +155,8 @@ def save(
     if keys:  # (where the format keeps metadata: safetensors)
         metadata.setdefault(PRNG_KEYS_METADATA, json.dumps(keys, sort_keys=True))
     options = WriteOptions(metadata=metadata, max_shard_size=max_shard_size,
-                           drop_unsupported=drop_unsupported, like=structure)
+                           drop_unsupported=drop_unsupported, like=structure,
+                           record=Record("treecli.save (Python)") if record else None)
     return _save(native, path, format=format, options=options, force=force, verify=verify)
 
 
@@ -332,15 +339,22 @@ def hash(source: Any, *, where: str | Sequence[str] | None = None) -> _digest.Di
     return _digest.digests(_digest.selected(_pytree.to_native(source)[0], selection))
 
 
-def verify(source: Any, against: Any, *, where: str | Sequence[str] | None = None) -> _digest.Verification:
+def verify(source: Any, against: Any = None, *, where: str | Sequence[str] | None = None) -> _digest.Verification:
     """Whether ``source`` (a checkpoint's path or URL, or a pytree) holds the weights
     ``against`` holds: a manifest (``treecli hash -o``'s file, or a :class:`Digests`), a
-    checkpoint or a pytree; the key paths whose leaves differ, are missing or extra.
-    What ``treecli verify`` reports.
+    checkpoint or a pytree; the key paths whose leaves differ, are missing or extra. With no
+    ``against``, the root digest of the record the checkpoint keeps of what treecli wrote
+    (``unlike_record`` where it differs). What ``treecli verify`` reports.
 
     Example:
         >>> assert treecli.verify("model.gguf", "weights.blake3.json").equal
+        >>> assert treecli.verify("model.gguf").equal
+
+    Raises:
+        UsageError: no ``against``, and ``source`` holds no record (or ``where`` is given).
     """
+    if against is None:
+        return _against_record(source, where)
     found = hash(source, where=where)
     manifest = None
     if isinstance(against, _digest.Digests):
@@ -351,6 +365,20 @@ def verify(source: Any, against: Any, *, where: str | Sequence[str] | None = Non
     if isinstance(against, _digest.Digests) or manifest is not None:  # (a manifest of the whole)
         expected = _digest.restricted(expected, [where] if isinstance(where, str) else list(where or []))
     return _digest.compare(found, expected)
+
+
+def _against_record(source: Any, where: Any) -> _digest.Verification:
+    """``source``'s weights against the root digest its record holds."""
+    from treecli.formats import RECORD_KEY, parsed_record
+
+    if where or not isinstance(source, (str, PathLike)):
+        raise UsageError("verify without against checks a checkpoint (a path or URL) whole against its own record")
+    with open_checkpoint(source) as checkpoint:
+        record, why = parsed_record(checkpoint.metadata[RECORD_KEY]) if RECORD_KEY in checkpoint.metadata \
+            else (None, "treecli did not write it")
+        if record is None:
+            raise UsageError(f"no record to verify against: {why}", file=str(source))
+        return _digest.Verification(unlike_record=_digest.digests(checkpoint.tree).root != record["root"])
 
 
 def read_manifest(path: str | PathLike) -> _digest.Digests | None:

@@ -397,9 +397,24 @@ def _joined_to_fit(parts: list[str], separator: str, width: int) -> list[str]:
     return lines
 
 
+def record_lines(record: dict[str, Any] | None, note: str) -> Iterable[Line]:
+    """Where the weights came from, as their record says (``formats.parsed_record``): their
+    root digest, the treecli that wrote them, the command, each input's root digest, and the
+    earlier steps, oldest first; or ``note`` (why there is none), where there is none."""
+    if record is None:
+        return [[("record: ", "bold"), (quote(note), "")]] if note else []
+    rows = [["root", record["root"]], ["written by", f"treecli {quote(record['treecli'])}"],
+            ["command", quote(record["command"])]]
+    rows += [["input", f"{quote(i['name'])}  {i['root'] or '(its root not taken: read in part, or remote)'}"]
+             for i in record["inputs"]]
+    for number, step in enumerate(record["history"], 1):
+        rows.append([f"earlier {number}", f"{quote(step['command'])}  ->  {step['root']}"])
+    return table(["record", ""], rows)
+
+
 def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: dict[str, Any], *,
                flat: bool, depth: int | None, stats: bool, plain: bool, fold: bool = False,
-               width: int | None = None, model: Any = None) -> Iterable[Line]:
+               width: int | None = None, model: Any = None, record: Iterable[Line] = ()) -> Iterable[Line]:
     """Everything ``show`` prints in human form (chained lazily: a big tree is formatted as it prints)."""
     totals = _summary.dtype_totals(root)
     separator = ", " if plain else " · "
@@ -418,6 +433,9 @@ def show_lines(file: str, fmt: str, root: Node, metadata: dict[str, Any], info: 
         parts += [[[]], dtype_lines(root, totals, width)]
     if metadata:
         parts += [[[]], metadata_lines(metadata, width)]
+    record = list(record)
+    if record:
+        parts += [[[]], record]
     return itertools.chain.from_iterable(parts)
 
 

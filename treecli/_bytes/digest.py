@@ -48,10 +48,12 @@ class Verification:
     differ: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
+    #: Checked against a record (which holds the root digest, not each leaf's): the root differs.
+    unlike_record: bool = False
 
     @property
     def equal(self) -> bool:
-        return not (self.differ or self.missing or self.extra)
+        return not (self.differ or self.missing or self.extra or self.unlike_record)
 
     def as_json(self) -> dict[str, Any]:
         return {"equal": self.equal, "differ": self.differ, "missing": self.missing, "extra": self.extra}
@@ -196,7 +198,7 @@ def parse_manifest(text: str, file: str) -> Digests:
         raise FormatError(f"not a treecli digest manifest: no \"algorithm\": \"{ALGORITHM}\" and \"leaves\" object",
                           file=file)
     for name, digest in leaves.items():
-        if not isinstance(digest, str) or not _well_formed(digest):
+        if not isinstance(digest, str) or not well_formed(digest):
             raise FormatError("not a BLAKE3 digest (blake3: and 64 hex digits)", file=file, keypath=str(name)[:80])
     manifest = Digests(dict(leaves))
     if data.get("root") != manifest.root:
@@ -209,7 +211,8 @@ def is_manifest(head: bytes) -> bool:
     return head.lstrip()[:1] == b"{" and b'"algorithm"' in head
 
 
-def _well_formed(digest: str) -> bool:
+def well_formed(digest: str) -> bool:
+    """Whether a text is a digest as treecli writes them (``blake3:`` and 64 hex digits)."""
     prefix = ALGORITHM + ":"
     return digest.startswith(prefix) and len(digest) == len(prefix) + 64 and \
         all(c in "0123456789abcdef" for c in digest[len(prefix):])

@@ -303,7 +303,7 @@ def _chunks_within(leaf: ArrayLeaf, offset: int, begin: int, end: int) -> list[t
 def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
                writeback: Writeback | None = None, progress: Callable[[int], None] | None = None,
                digests: dict[int, tuple[ArrayLeaf, tuple[int, int, int]]] | None = None,
-               checksum: Digest | None = None) -> None:
+               checksum: Digest | None = None, record: Any = None) -> None:
     """Write a leaf's bytes (little-endian, C order) to ``f`` a chunk at a time, the next
     chunk read while this one is written. ``writeback`` is called after each chunk
     (a :class:`Writeback`), ``progress`` with each chunk's byte count. With ``digests``,
@@ -312,14 +312,19 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
     leaf's where the output is read back as written (the writeback's :class:`ReadBack`),
     else a leaf's that is costly to read again (one read whole: an Orbax array), instead of
     reading the source a second time. ``checksum``, when given, takes in the bytes written
-    (a zip member's CRC-32)."""
+    (a zip member's CRC-32). ``record``, when given (a ``formats._record.Record``), takes
+    the digest of the tensor written, and where it lies."""
     readback = writeback.readback if writeback is not None else None
     recorded = digests is not None and (readback is not None or isinstance(leaf, WholeLeaf))
     # A zip member's CRC-32 runs on over the leaf's bytes: the leaf's own digest is that one,
     # from where it stands before them (one CRC pass over the bytes, not two).
     digest = (checksum if checksum is not None else Digest()) if recorded else None
     start = digest.crc if digest is not None else 0
-    sums = [checksum] if checksum is not None else [digest] if digest is not None else []
+    sums: list[Any] = [checksum] if checksum is not None else [digest] if digest is not None else []
+    hashed = record.start(leaf) if record is not None else None
+    if hashed is not None:
+        sums.append(hashed)
+    place = file_place(f) if record is not None else None
 
     def take_in(chunk: Any) -> None:
         raw = stored_bytes(chunk)
@@ -349,3 +354,15 @@ def write_leaf(f: BinaryIO, leaf: ArrayLeaf, *, file: str, keypath: str = "",
         readback.end(leaf)
     if digest is not None:
         digests[id(leaf)] = (leaf, (written, digest.crc, start))
+    if record is not None:
+        record.wrote(leaf, hashed, place)
+
+
+def file_place(f: BinaryIO) -> tuple[int, int, int] | None:
+    """Where the next byte written to ``f`` lands: (device, inode, offset); None for a stream
+    that is no file (an upload)."""
+    try:
+        info = os.fstat(f.fileno())
+        return info.st_dev, info.st_ino, f.tell()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None

@@ -67,6 +67,8 @@ def write_output(
     verify: bool = False,
     decided: tuple[Any, bool] | None = None,
     companions: Sequence[Path] | None = None,
+    record: str | None = None,
+    inputs_read_whole: bool = True,
 ) -> str | Path:
     """Write a tree the way every command does: atomically, streaming, with a progress bar;
     with ``verify``, read back and compared bit for bit before it replaces anything (a
@@ -75,9 +77,13 @@ def write_output(
     ``in_place`` rewrites ``source`` where it lies (``target`` is then None). A directory
     output gets ``companions`` beside its weights, by default ``source``'s. The output's
     format is decided once (``decided``, when the command needed it first: ``output_format``).
+    With ``record`` (the command, as :func:`command_line` gives it), a format that keeps
+    metadata holds the record of where the output came from (the command, ``inputs``' root
+    digests and history: ``formats.Record``); where the command reads ``inputs`` only in part
+    (``inputs_read_whole`` false), their roots are not taken (that would read the rest).
     Returns the path or URL written; the command says so last (:func:`report_written`).
     """
-    from treecli.formats import block_scaled_written, get, held_by, is_url, output_format
+    from treecli.formats import Record, block_scaled_written, get, held_by, is_url, output_format
 
     guessed_directory = None
     if verify and target is not None and is_url(target):
@@ -95,8 +101,12 @@ def write_output(
         tree = held_by(tree, holder, str(target or source.file))
     block_scaled = block_scaled_written(tree)  # (copied as stored, FP8 requantized, or all written plain)
     tree = block_scaled.tree
+    provenance = Record(record, [(display_name(c.file), c.tree if inputs_read_whole else None, c.metadata)
+                                 for c in inputs],
+                        warn=out.warn) if record is not None else None
     written = _write(out, tree, target, source, inputs, format, force, in_place, max_shard_size, drop_unsupported,
-                     metadata, verify, decided, list(source.companions if companions is None else companions))
+                     metadata, verify, decided, list(source.companions if companions is None else companions),
+                     provenance)
     for scheme, count in block_scaled.requantized.items():
         out.note(f"requantized to {scheme}: {counted(count, 'weight')} whose values changed, as transformers' FP8 "
                  "quantizer quantizes (each block's largest magnitude to 448)")
@@ -113,8 +123,8 @@ def write_output(
 
 
 def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequence[Checkpoint], format: str | None,
-           force: bool, in_place: bool, max_shard_size: str | None, drop_unsupported: bool,
-           metadata: dict[str, Any] | None, verify: bool, decided: Any, companions: list[Path]) -> str | Path:
+           force: bool, in_place: bool, max_shard_size: str | None, drop_unsupported: bool, metadata: dict[str, Any] | None, verify: bool,
+           decided: Any, companions: list[Path], record: Any) -> str | Path:
     from treecli import _tree
     from treecli.formats import save_in_place
     from treecli._units import parse_size
@@ -132,13 +142,60 @@ def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequ
             stage=out.progress,
             warn=out.warn,
             source=str(source.file),
+            record=record,
         )
         if in_place:
             target = save_in_place(tree, source, format=format, options=options, verify=verify)
         else:
-            save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
-                 force=force, verify=verify, decided=decided)
+            save(tree, target, format=format, input_format=source.format, options=options,
+                 inputs=inputs, force=force, verify=verify, decided=decided)
     return target
+
+
+# What a record's command leaves out: the output itself (a record travels with it, and the
+# same command writes the same bytes wherever it writes them), and the options that change
+# how a command runs or reports, not what it writes.
+_NOT_RECORDED = {"output", "target", "in_place", "force", "json", "verify", "no_verify", "no_record", "quiet",
+                 "debug", "dry_run"}
+
+
+def command_line(context: Any) -> str:
+    """The running command (its ``typer.Context``) in canonical form, as an output's record
+    keeps it: ``treecli``, the command, its arguments, then the options given under their
+    long names, in alphabetical order, a repeated one's values in the order given; each word
+    quoted as a shell takes it back. The output is not named, nor options that only change
+    how the command runs or reports (``_NOT_RECORDED``)."""
+    import shlex
+
+    arguments, options = [], []
+    for param in context.command.params:
+        value = context.params.get(param.name)
+        if param.name in _NOT_RECORDED or value is None or value == param.default or value in ((), []):
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if param.param_type_name == "argument":
+            arguments += [display_name(v) for v in values]
+        elif getattr(param, "is_flag", False) and isinstance(value, bool):
+            names = param.opts if value else param.secondary_opts
+            options.append((max(names, key=len), []))
+        else:
+            options += [(max(param.opts, key=len), [display_name(getattr(v, "value", v))]) for v in values]
+    options.sort(key=lambda option: option[0])
+    words = ["treecli", context.info_name or "", *arguments, *(w for flag, rest in options for w in (flag, *rest))]
+    return " ".join(shlex.quote(str(word)) for word in words)
+
+
+def display_name(value: Any) -> str:
+    """An input or value as a record names it: a path as given; a URL without the user,
+    password, query or fragment it may carry (a token is never recorded)."""
+    import urllib.parse
+
+    text = str(value)
+    if "://" not in text:
+        return text
+    parts = urllib.parse.urlsplit(text)
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _say_requantized(out: Output, tree: Any) -> None:
@@ -193,6 +250,23 @@ def parse_weights(text: str | None, count: int) -> list[float]:
     if len(weights) != count:
         raise UsageError(f"--weights has {counted(len(weights), 'value')} for {counted(count, 'input')}")
     return weights
+
+
+def record_of(checkpoint: Checkpoint) -> tuple[dict, dict | None, str]:
+    """The checkpoint's metadata without its record, the record (``formats.parsed_record``),
+    and why there is none where there is none and one might be looked for: a format that
+    keeps no metadata, or a record treecli cannot read (that one stays among the metadata,
+    escaped as any)."""
+    from treecli.formats import RECORD_KEY, get, parsed_record
+
+    if RECORD_KEY not in checkpoint.metadata:
+        keeps = get(checkpoint.format).keeps_records
+        return checkpoint.metadata, None, "" if keeps else f"none ({checkpoint.format} keeps no metadata to hold one)"
+    record, why = parsed_record(checkpoint.metadata[RECORD_KEY])
+    if record is None:
+        return checkpoint.metadata, None, f"{RECORD_KEY} is not a record treecli wrote ({why})"
+    return {k: v for k, v in checkpoint.metadata.items() if k != RECORD_KEY}, record, ""
+
 
 
 def hashed(out: Output, tree: Any, what: str, shares: dict) -> Any:

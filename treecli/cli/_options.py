@@ -87,6 +87,11 @@ VerifyOpt = Annotated[bool, typer.Option(
     "--verify", help="Read the output back and check every leaf bit for bit before it replaces anything (a local "
                      "output; convert always does).")]
 VERIFIED = "verified: every leaf is bit-exact"  # the note of a verified output
+NoRecordOpt = Annotated[bool, typer.Option(
+    "--no-record", help="Leave out the record of where the output came from, which safetensors, GGUF and Orbax "
+                        "outputs keep in their metadata (its root digest, this command, each input's root digest "
+                        "and history; treecli show prints it, treecli verify checks it). Taking it reads the "
+                        "inputs' leaves the output does not copy as they are.")]
 
 
 def quantized_note(errors: dict[str, tuple[int, float, float]], verified: bool) -> str:

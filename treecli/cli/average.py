@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, parse_weights, report_written, write_output, written_json
+from treecli.cli._common import command_line, open_input, parse_weights, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
 def average(
+    context: typer.Context,
     checkpoints: Annotated[list[str], typer.Argument(help="Two or more checkpoints with the same key paths "
                                                       "and shapes (any formats; float dtypes may differ).",
                                                       show_default=False, metavar="CHECKPOINTS...")],
@@ -28,6 +29,7 @@ def average(
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -61,7 +63,8 @@ def average(
         tree, report = average_trees([c.tree for c in opened], given, names=names,
                                      normalize=not no_normalize, dtype=dtype, non_float=non_float)
         written = write_output(out, tree, output, source=opened[0], inputs=opened, format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+                               record=None if no_record else command_line(context))
         notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, inputs=names, weights=given, normalize=not no_normalize) if json else None)

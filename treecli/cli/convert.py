@@ -11,11 +11,12 @@ import typer
 
 from treecli.cli import _options as opt
 from treecli.cli._complete import complete_recipe
-from treecli.cli._common import about, open_input, report_written, write_output, written_json
+from treecli.cli._common import about, command_line, open_input, report_written, write_output, written_json
 from treecli.cli._output import Output
 
 
 def convert(
+    context: typer.Context,
     source: Annotated[Optional[str], typer.Argument(help="Input checkpoint (a path or URL).", show_default=False,
                                                     metavar="SOURCE")] = None,
     target: Annotated[Optional[str], typer.Argument(help="Output file, directory, or s3:// or gs:// URL.",
@@ -45,6 +46,7 @@ def convert(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     json: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
@@ -108,7 +110,8 @@ def convert(
             written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                                    max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
                                    metadata=conversion.metadata_of(tree) if conversion else None,
-                                   companions=companions, decided=decided)
+                                   companions=companions, decided=decided, record=None if no_record else command_line(context),
+                                   inputs_read_whole=not where)
         errors = quantization_errors(tree)
         notes = [opt.quantized_note(errors, verify)] if errors else [opt.VERIFIED] if verify else []
         warnings = (conversion.warnings if conversion else []) + report.warnings()

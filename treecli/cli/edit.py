@@ -9,12 +9,13 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input, report_written, write_output
+from treecli.cli._common import about, command_line, open_input, report_written, write_output
 from treecli.cli._complete import complete_cast
 from treecli.cli._output import Output
 
 
 def edit(
+    context: typer.Context,
     checkpoint: opt.CheckpointArg,
     output: Annotated[Optional[str], typer.Option(
         "--output", "-o", help="Output file or directory, or an s3:// or gs:// URL.",
@@ -50,6 +51,7 @@ def edit(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -102,7 +104,8 @@ def edit(
             return
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force, in_place=in_place,
-            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+            record=None if no_record else command_line(context))
         report_written(out, written, notes=[opt.VERIFIED] if verify and written else [], warnings=report.warnings,
                        json=_render.changes_json(report.rows, written) if json else None)
 

@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input
+from treecli.cli._common import about, command_line, open_input
 from treecli.cli._output import Output
 
 
 def get(
+    context: typer.Context,
     checkpoint: opt.CheckpointArg,
     keypath: Annotated[str, typer.Argument(help="Key path of one leaf, e.g. model.embed_tokens.weight; with -o, "
                                            "of a subtree too.", autocompletion=opt.complete_keypaths,
@@ -25,6 +26,7 @@ def get(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     json: opt.JsonOpt = False,
 ) -> None:
     """Print one leaf (summarised when large) or write a leaf or subtree to a file.
@@ -46,7 +48,7 @@ def get(
             raise UsageError(f"names {len(found)} nodes; give one key path", file=str(checkpoint), keypath=keypath)
         node = _tree.get(ckpt.tree, found[0])
         if output is not None and (_tree.is_node(node) or not output.name.endswith(".npy")):
-            _write_subtree(out, ckpt, keypath, output, force, json)
+            _write_subtree(out, ckpt, keypath, output, force, json, None if no_record else command_line(context))
             return
         if _tree.is_node(node):
             raise UsageError(f"is a subtree, not a leaf; see it with: treecli show {_quoted(checkpoint)} --where "
@@ -100,13 +102,14 @@ def _quoted(text: str) -> str:
     return shlex.quote(str(text))
 
 
-def _write_subtree(out, ckpt, keypath: str, output: Path, force: bool, json: bool) -> None:
+def _write_subtree(out, ckpt, keypath: str, output: Path, force: bool, json: bool, record: str | None) -> None:
     """A leaf or subtree written at its own key paths, in its own dtypes, to any format."""
     from treecli import _tree
     from treecli.cli._common import report_written, write_output, written_json
 
     written = write_output(out, _tree.selected(ckpt.tree, [keypath]), output, source=ckpt, inputs=[ckpt],
-                           format=None, force=force, verify=True)
+                           format=None, force=force, verify=True, record=record,
+                           inputs_read_whole=False)
     report_written(out, written, json=written_json(written, [], [], input=ckpt.file, keypath=keypath)
                    if json else None)
 

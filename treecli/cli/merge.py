@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import open_input, parse_weights, report_written, write_output, written_json
+from treecli.cli._common import command_line, open_input, parse_weights, report_written, write_output, written_json
 from treecli.cli._complete import complete_methods
 from treecli.cli._output import Output
 from treecli.merge_methods import METHODS
 
 
 def merge(
+    context: typer.Context,
     checkpoints: Annotated[Optional[list[str]], typer.Argument(
         help="The models to merge (any formats, the same key paths and shapes); with --config, none: "
              "the config names them.", show_default=False, metavar="MODELS...")] = None,
@@ -62,6 +63,7 @@ def merge(
     non_float: opt.NonFloatOpt = "last",
     format: opt.OutputFormatOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -101,7 +103,8 @@ def merge(
         if given:
             raise UsageError(f"--config {config!r} says what to merge; {given[0]} belongs in it")
         return _merge_config(out, config, output, seed, layer_pattern, non_float, format, force, max_shard_size,
-                             drop_unsupported, like, json, verify)
+                             drop_unsupported, like, json, verify,
+                             None if no_record else command_line(context))
     if method is None:
         raise UsageError("name the method with --method, or give a mergekit config with --config")
     if not checkpoints:
@@ -121,7 +124,8 @@ def merge(
         source = base_checkpoint or opened[0]
         written = write_output(out, tree, output, source=source,
                                inputs=[*opened, *([base_checkpoint] if base else [])], format=format, force=force,
-                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+                               max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+                               record=None if no_record else command_line(context))
         notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, method=method, base=base, inputs=list(checkpoints)) if json else None)
@@ -129,7 +133,7 @@ def merge(
 
 def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern: str | None, non_float: str,
                   format, force: bool, max_shard_size, drop_unsupported: bool, like, json: bool,
-                  verify: bool) -> None:
+                  verify: bool, record: str | None) -> None:
     from treecli._api import merge_config_file
     from treecli._configmerge import merge_config
 
@@ -142,7 +146,7 @@ def _merge_config(out: Output, path: str, output: str, seed: int, layer_pattern:
         first = opened[config.tokenizer_source] if config.tokenizer_source else next(iter(opened.values()))
         written = write_output(out, tree, output, source=first, inputs=list(opened.values()), format=format,
                                force=force, max_shard_size=max_shard_size, drop_unsupported=drop_unsupported,
-                               verify=verify)
+                               verify=verify, record=record)
         notes, warnings = report.notes() + ([opt.VERIFIED] if verify else []), report.warnings()
         report_written(out, written, notes=notes, warnings=warnings, json=written_json(
             written, notes, warnings, method=config.method, base=config.base_model, inputs=config.models(),

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input
+from treecli.cli._common import about, open_input, record_of
 from treecli.cli._output import Output
 
 
@@ -56,12 +56,16 @@ def show(
         if stats:
             with out.progress("reading", root.nbytes) as advance:
                 _summary.add_stats(root, advance)
+        metadata, record, note = record_of(ckpt)
         if json:
-            document = _render.show_json(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.described_model())
+            document = _render.show_json(str(checkpoint), ckpt.format, root, metadata, ckpt.described_model())
+            document["record"] = record
             document.update(ckpt.info)
             out.json(document)
         else:
-            out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, ckpt.metadata, ckpt.info, flat=flat,
+            out.lines(_render.show_lines(str(checkpoint), ckpt.format, root, metadata, ckpt.info, flat=flat,
                                          depth=depth, stats=stats, plain=out.plain,
                                          fold=not (out.plain or expand or stats),
-                                         width=None if out.plain else out.stdout.width, model=ckpt.described_model()))
+                                         width=None if out.plain else out.stdout.width, model=ckpt.described_model(),
+                                         record=_render.record_lines(record, note)))
+

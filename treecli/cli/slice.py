@@ -7,11 +7,12 @@ from typing import Annotated, Optional
 import typer
 
 from treecli.cli import _options as opt
-from treecli.cli._common import about, open_input, report_written, write_output
+from treecli.cli._common import about, command_line, open_input, report_written, write_output
 from treecli.cli._output import Output
 
 
 def slice_(
+    context: typer.Context,
     checkpoint: opt.CheckpointArg,
     index: Annotated[
         list[str],
@@ -29,6 +30,7 @@ def slice_(
     step: opt.StepOpt = None,
     like: opt.LikeOpt = None,
     force: opt.ForceOpt = False,
+    no_record: opt.NoRecordOpt = False,
     verify: opt.VerifyOpt = False,
     max_shard_size: opt.MaxShardOpt = None,
     drop_unsupported: opt.DropUnsupportedOpt = False,
@@ -81,7 +83,8 @@ def slice_(
             return
         written = None if dry_run else write_output(
             out, tree, output, source=ckpt, inputs=[ckpt], format=format, force=force,
-            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify)
+            max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
+            record=None if no_record else command_line(context), inputs_read_whole=False)
         if verify and written:
             notes.append(opt.VERIFIED)
         rows = [(k, f"{_render.format_shape(b)} {d}", f"{_render.format_shape(a)} {d}", f"index {r}")

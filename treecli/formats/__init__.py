@@ -21,6 +21,7 @@ from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli.formats._mixes import ALIASES, MIXES
 from treecli.formats import _foreign
 from treecli.formats._base import WRITES, Checkpoint, Format, NotInFolder, Origin, WriteOptions
+from treecli.formats._record import KEY as RECORD_KEY, Record, parsed as parsed_record
 
 # Each format's class, as "module:Class". Order matters only for sniffing a file: the
 # first format whose sniff accepts wins (a directory is tried in ``DIRECTORIES``' order).

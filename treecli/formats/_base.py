@@ -125,6 +125,10 @@ class WriteOptions:
     #: A progress display for a stage of its own, ``stage(description, total_bytes)``: a
     #: context giving an ``advance(nbytes)`` callable (the verification's). None: none shown.
     stage: Callable[[str, int], Any] | None = None
+    #: The record of where the output came from (a ``_record.Record``), for formats that keep
+    #: one (``Format.keeps_records``): the writer puts it in the header and takes each
+    #: tensor's digest as it writes it; None: no record.
+    record: Any = None
     #: Called with each warning line the writer has for the user.
     warn: Callable[[str], None] | None = None
     #: The input's file or URL as the user gave it, for the commands a hint suggests.
@@ -213,6 +217,8 @@ class Format:
     compresses: ClassVar[bool] = False
     #: Whether ``write`` is implemented.
     writable: ClassVar[bool] = False
+    #: Whether its metadata holds treecli's record of where an output came from (``_record``).
+    keeps_records: ClassVar[bool] = False
     #: Whether a checkpoint of it written under a name without extension is a directory
     #: (an HF safetensors directory, an Orbax checkpoint), not a file.
     writes_directories: ClassVar[bool] = False

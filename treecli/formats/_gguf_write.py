@@ -90,6 +90,8 @@ def _write_file(target: Path, entries: list[tuple[str, Any]], metadata: dict[str
         offset += -(-_nbytes(leaf) // alignment) * alignment
     head = MAGIC + struct.pack("<IQQ", 3, len(entries), len(metadata)) + \
         b"".join(_string(key) + _typed(value) for key, value in metadata.items()) + b"".join(infos)
+    if options.record is not None:
+        options.record.wrote_head(target, head)
     with open(target, "wb", buffering=writer.WRITE_BUFFER) as f:
         f.write(head + b"\0" * (-len(head) % alignment))
         writeback = options.writeback(f)
@@ -98,7 +100,7 @@ def _write_file(target: Path, entries: list[tuple[str, Any]], metadata: dict[str
                 _write_blocks(f, leaf, options)
             else:
                 writer.write_leaf(f, leaf, file=str(target), keypath=name, writeback=writeback,
-                                  progress=options.progress, digests=options.digests)
+                                  progress=options.progress, digests=options.digests, record=options.record)
             f.write(b"\0" * (-_nbytes(leaf) % alignment))
 
 
@@ -107,15 +109,20 @@ def _write_blocks(f: Any, leaf: QuantizedLeaf, options: WriteOptions) -> None:
     digest recorded for the verification: blocks made here are then never made again to
     check them."""
     digest = Digest() if options.digests is not None else None
+    hashed = options.record.start(leaf) if options.record is not None else None
+    place = writer.file_place(f) if hashed is not None else None
     for start in range(0, leaf.raw_nbytes, _COPY_BYTES):
         raw = leaf.read_raw(start, min(leaf.raw_nbytes, start + _COPY_BYTES))
         f.write(raw)
-        if digest is not None:
-            digest.update(raw)
+        for sums in (digest, hashed):
+            if sums is not None:
+                sums.update(raw)
         if options.progress:
             options.progress(raw.nbytes)
     if digest is not None:
         options.digests[id(leaf.as_blocks())] = (leaf.as_blocks(), digest.value())
+    if hashed is not None:
+        options.record.wrote(leaf, hashed, place)
 
 
 def _entries(tree: Any, file: str, options: WriteOptions) -> list[tuple[str, Any]]:

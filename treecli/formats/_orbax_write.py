@@ -15,6 +15,7 @@ from treecli._errors import TreecliError, UsageError, in_cli
 from treecli._keypath import format_keypath
 from treecli.formats._base import WriteOptions
 from treecli.formats._orbax_layout import OWNED, param_name
+from treecli.formats._record import KEY
 
 _MEMORY_FACTOR = 4
 
@@ -30,10 +31,14 @@ def write(tree: Any, target: Path, options: WriteOptions) -> None:
     import orbax.checkpoint as ocp
 
     data = _in_memory(_storable(tree, str(target), options), options)
+    record = options.record
     # target is the empty directory the atomic writer made inside its locked holder;
     # Orbax replaces it (force), keeping its own temporaries in the holder too.
     with _orbax_errors(), ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(target), data, force=True)
+        checkpointer.save(os.path.abspath(target), data, force=True,
+                          custom_metadata={KEY: record.as_json()} if record is not None else None)
+    if record is not None:  # (where its roots go, once known: Orbax's metadata file, in the temporary)
+        record.wrote_head(target / _CHECKPOINT_METADATA, (target / _CHECKPOINT_METADATA).read_bytes())
 
 
 def write_global(tree: Any, target: Path, options: WriteOptions, replace: bool) -> None:
@@ -103,7 +108,8 @@ def _orbax_errors() -> Iterator[None]:
 # What marks an Orbax checkpoint finished: uploaded after every other file, and removed
 # from a checkpoint being replaced before any of its files change. commit_success.txt
 # is how Orbax itself marks a finished save in a bucket.
-_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+_MARKERS = (_CHECKPOINT_METADATA, "commit_success.txt")
 _UPLOADS_IN_FLIGHT = 8
 
 

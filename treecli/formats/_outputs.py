@@ -110,6 +110,7 @@ def write(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions
     ``verify`` is called with the finished temporary before it is published: a
     failure leaves the previous output (or none) and no new one.
     """
+    options = _recording(fmt, options)
     with _parents_made(target):
         existing = check_target(target, sources, force=force)
         check_room(fmt, tree, target.parent, target)
@@ -129,6 +130,24 @@ def _read_back(options: WriteOptions, verify: Callable[[Path], None] | None) -> 
     finally:
         if options.readback is not None:
             options.readback.close()
+
+
+def _recording(fmt: Any, options: WriteOptions) -> WriteOptions:
+    """``options`` with the record's text in the metadata, where ``fmt`` keeps records and a
+    record is asked for (``_record``); else with no record at all: an input's, copied with
+    its other metadata, would describe other weights."""
+    from treecli.formats import _record
+
+    metadata = _record.without_record(options.metadata)
+    if options.record is None or not fmt.keeps_records:
+        return dataclasses.replace(options, metadata=metadata, record=None)
+    return dataclasses.replace(options, metadata={**metadata, _record.KEY: options.record.text()})
+
+
+def _sealed(fmt: Any, written: Path, options: WriteOptions) -> None:
+    """The record's roots written into a finished temporary (``_record.Record.seal``)."""
+    if options.record is not None:
+        options.record.seal(fmt.open, written)
 
 
 def _checked(written: Path, verify: Callable[[Path], None] | None) -> None:
@@ -177,13 +196,15 @@ def _write_new(fmt: Any, tree: Any, target: Path, is_dir: bool, existing: os.sta
             check_replaceable_directory(target, fmt, [c.name for c in options.companions], sources)
         with _atomic.atomic_directory(target, replace=existing is not None) as built:
             fmt.write(tree, built, options)
-            _copy_companions(built, options.companions, tree, options)
+            _copy_companions(built, options.companions, tree, options)  # (config.json: how its weights read)
+            _sealed(fmt, built, options)
             _checked(built, verify)
         return
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise UsageError(f"output is a directory; name a file or use {option('format', 'FORMAT')}", file=str(target))
     with _atomic.atomic_file(target) as tmp:
         fmt.write(tree, tmp, options)
+        _sealed(fmt, tmp, options)
         _checked(tmp, verify)
 
 
@@ -201,7 +222,9 @@ def write_global(fmt: Any, tree: Any, target: Path, options: WriteOptions, sourc
                          file=str(target))
     if existing is not None:
         check_replaceable_directory(target, fmt, [], sources)
-    fmt.write_global(tree, target, options, replace=existing is not None)
+    # (no record: Orbax publishes the checkpoint itself, before treecli could write its roots in)
+    fmt.write_global(tree, target, _recording(fmt, dataclasses.replace(options, record=None)),
+                     replace=existing is not None)
 
 
 def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: WriteOptions, sources: Sequence[Path],
@@ -224,6 +247,7 @@ def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: Wri
     """
     from treecli import _cluster
 
+    options = _recording(fmt, options)
     plan = fmt.plan(tree, str(target), options, is_dir)
     if plan is None and fmt.writes_global_arrays:
         write_global(fmt, _spread(tree, str(target)), target, options, sources, force)
@@ -241,15 +265,15 @@ def write_together(fmt: Any, tree: Any, target: Path, is_dir: bool, options: Wri
     try:
         error = None
         if cluster.publishes:
-            error = _one_line(lambda: cluster.tell("output", str(_start(publishing, target, is_dir, existing, plan))),
-                              target)
+            error = _one_line(lambda: cluster.tell("output", str(_start(publishing, target, is_dir, existing, plan,
+                                                                         options))), target)
         cluster.agree("create the output", error)
         where = Path(cluster.hear("output"))
         share = _cluster.share(sum(f.size - len(f.head) for _, f in plan.files), cluster)
         cluster.agree("write its share", _one_line(lambda: _write_share(where, target, plan, share, options, verify),
                                                    target))
-        if cluster.publishes and is_dir:
-            error = _one_line(lambda: _finish_directory(where, plan, tree, options), target)
+        if cluster.publishes:
+            error = _one_line(lambda: _finish(fmt, where, plan, tree, options, is_dir), target)
         cluster.agree("finish the output", error)
     except BaseException:
         publishing.__exit__(*sys.exc_info())  # the temporary goes
@@ -276,7 +300,8 @@ def _spread(tree: Any, file: str) -> Any:
     return _pytree.onto_devices(tree, chosen.get, file=file)
 
 
-def _start(publishing: contextlib.ExitStack, target: Path, is_dir: bool, existing: Any, plan: Any) -> Path:
+def _start(publishing: contextlib.ExitStack, target: Path, is_dir: bool, existing: Any, plan: Any,
+           options: WriteOptions) -> Path:
     """The temporary output, each file holding its header and at its full size (a hole)."""
     where = publishing.enter_context(_atomic.atomic_directory(target, replace=existing is not None) if is_dir
                                      else _atomic.atomic_file(target))
@@ -284,6 +309,8 @@ def _start(publishing: contextlib.ExitStack, target: Path, is_dir: bool, existin
         with open(where / name if name else where, "wb") as f:
             f.write(file.head)
             f.truncate(file.size)
+        if options.record is not None:
+            options.record.wrote_head(where / name if name else where, file.head)
     return where
 
 
@@ -313,11 +340,14 @@ def _write_share(where: Path, target: Path, plan: Any, share: tuple[int, int], o
             os.close(fd)
 
 
-def _finish_directory(built: Path, plan: Any, tree: Any, options: WriteOptions) -> None:
-    """What process 0 writes once every share is: the companion files, then the index."""
-    _copy_companions(built, options.companions, tree, options)
-    if plan.last is not None:
-        plan.last(built)
+def _finish(fmt: Any, where: Path, plan: Any, tree: Any, options: WriteOptions, is_dir: bool) -> None:
+    """What process 0 writes once every share is: a directory's companion files, then its
+    index; then the record's roots (the output read back whole: no writer took them)."""
+    if is_dir:
+        _copy_companions(where, options.companions, tree, options)
+        if plan.last is not None:
+            plan.last(where)
+    _sealed(fmt, where, options)
 
 
 def _copy_companions(built: Path, companions: Sequence[Path], tree: Any, options: WriteOptions) -> None:
@@ -397,6 +427,7 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
     if origin.layout == "sharded" and verify:
         raise UsageError("--verify checks a new output; an HF directory's shards are rewritten one by one in "
                          "place: write the edit with -o to verify it", file=checkpoint.file)
+    options = _recording(fmt, options)
     with _read_back(options, verify) as options:
         if origin.layout == "file":
             like = os.stat(origin.path)  # through a symlink (a hub cache's blob): its mode, owner and group
@@ -404,6 +435,7 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
                 raise UsageError("--in-place rewrites only regular files", file=str(origin.path))
             with _atomic.atomic_file(origin.path, like=like) as tmp:
                 fmt.write(tree, tmp, options)
+                _sealed(fmt, tmp, options)
                 _checked(tmp, verify)
             _config_kept_true(checkpoint, tree, options)
             return origin.path
@@ -414,6 +446,7 @@ def write_in_place(fmt: Any, tree: Any, checkpoint: Checkpoint, options: WriteOp
         check_replaceable_directory(origin.path, fmt, [], [], in_place=True)
         with _atomic.atomic_directory(origin.path, replace=True) as built:
             fmt.write(tree, built, options)
+            _sealed(fmt, built, options)
             _checked(built, verify)
         return origin.path
 
@@ -458,7 +491,9 @@ def write_remote(fmt: Format, tree: Any, url: str, options: WriteOptions,
         source = (c.file if isinstance(c, Checkpoint) else str(c)).rstrip("/")  # (or a URL a lazy leaf reads)
         if source == target or source.startswith(target + "/") or target.startswith(source + "/"):
             raise UsageError(f"output would overwrite the input {source}; write to another URL", file=url)
-    fmt.write_remote(tree, url, options, replace=force)
+    if options.record is not None and fmt.keeps_records:  # (an upload sends its header first: its roots known before)
+        options.record.seal_before(tree)
+    fmt.write_remote(tree, url, _recording(fmt, options), replace=force)
 
 
 def sources_of(checkpoints: Sequence[Checkpoint | Path]) -> list[Path]:

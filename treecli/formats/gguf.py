@@ -40,6 +40,7 @@ class GgufFormat(Format):
     extensions = (".gguf",)
     remote_extensions = (".gguf",)
     writable = True
+    keeps_records = True
 
     def write(self, tree: Any, target: Path, options: WriteOptions) -> None:
         from treecli.formats import _gguf_write

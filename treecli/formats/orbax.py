@@ -44,6 +44,7 @@ class OrbaxFormat(Format):
     holds_numbers = True  # a Python int is stored as Orbax stores it: a scalar
     compresses = True  # its arrays take less room on disk than in memory (zstd)
     writable = True
+    keeps_records = True
     writes_directories = True
     writes_to_buckets = True
 
@@ -106,7 +107,8 @@ def open_folder(folder: Folder, step: int | None = None) -> Checkpoint:
         raise FormatError("incomplete checkpoint: no commit_success.txt and no commit time in "
                           "_CHECKPOINT_METADATA in the bucket (the save did not finish)", file=folder.name)
     if folder.is_file("_METADATA") or folder.is_file(_AGGREGATE):
-        checkpoint = Checkpoint(tree=None, format="orbax", file=folder.name, origin=_origin("directory", folder))
+        checkpoint = Checkpoint(tree=None, format="orbax", file=folder.name, origin=_origin("directory", folder),
+                                metadata=_recorded(folder))
         checkpoint.tree = _open_pytree(folder, checkpoint)
         return checkpoint
     return _open_step(folder)
@@ -162,6 +164,23 @@ def _committed(directory: Folder) -> bool:
     except (OSError, ValueError, TreecliError):
         return False
     return isinstance(metadata, dict) and bool(metadata.get("commit_timestamp_nsecs"))
+
+
+def _recorded(directory: Folder) -> dict[str, Any]:
+    """treecli's record, where the checkpoint's custom metadata holds one (as the metadata
+    of the formats that keep it as text), else nothing."""
+    from treecli.formats._record import KEY
+
+    if not directory.is_file("_CHECKPOINT_METADATA"):
+        return {}
+    try:
+        metadata = _read_json(directory, "_CHECKPOINT_METADATA")
+    except FormatError:  # (it only describes the checkpoint: a damaged one is left out)
+        return {}
+    custom = metadata.get("custom_metadata") if isinstance(metadata, dict) else None
+    if not isinstance(custom, dict) or KEY not in custom:
+        return {}
+    return {KEY: json.dumps(custom[KEY], ensure_ascii=False)}
 
 
 def _open_manager_root(root: Folder, steps: dict[int, str], pending: list[str], step: int | None) -> Checkpoint:

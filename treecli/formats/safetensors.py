@@ -37,6 +37,7 @@ class SafetensorsFormat(Format):
     remote_extensions = (".safetensors.index.json", ".safetensors")
     separator = "."
     writable = True
+    keeps_records = True
     writes_directories = True
     writes_to_buckets = True
 
@@ -121,7 +122,7 @@ class SafetensorsFormat(Format):
                           last=lambda d: _write_index(d / "model.safetensors.index.json", entries, weight_map))
 
     def write_in_place(self, tree: Any, origin: Origin, options: WriteOptions) -> None:
-        _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options)
+        _write_sharded_in_place(_entries_for_writing(tree, str(origin.path), options), origin, options, self.open)
 
     def write_remote(self, tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
         if not url.endswith(self.extensions):
@@ -303,6 +304,8 @@ def _describe(value: Any) -> str:
 
 def _write_file(path: Path, entries: list[tuple[str, Any]], metadata: dict[str, Any], options: WriteOptions) -> None:
     head = _encode_header(entries, metadata)
+    if options.record is not None:
+        options.record.wrote_head(path, head)
     with open(path, "wb", buffering=writer.WRITE_BUFFER) as f:
         _write_stream(f, head, entries, str(path), options, options.writeback(f))
         f.flush()
@@ -338,7 +341,7 @@ def _write_stream(f: Any, head: bytes, entries: list[tuple[str, Any]], file: str
     f.write(head)
     for key, leaf in entries:
         writer.write_leaf(f, leaf, file=file, keypath=key, writeback=writeback, progress=options.progress,
-                          digests=options.digests)
+                          digests=options.digests, record=options.record)
 
 
 def _write_remote(tree: Any, url: str, options: WriteOptions, replace: bool) -> None:
@@ -403,10 +406,13 @@ def _write_index(path: Path, entries: list[tuple[str, Any]], weight_map: dict[st
         os.fsync(f.fileno())
 
 
-def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, options: WriteOptions) -> None:
+def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, options: WriteOptions,
+                            opener: Callable[[Path], Checkpoint]) -> None:
     """New shards beside the old ones, then the index (the commit), then the old shards go:
     a crash at any point leaves the old checkpoint or the new one, and nothing else in the
-    directory is touched. Without ``max_shard_size`` shards stay as large as the input's."""
+    directory is touched. Without ``max_shard_size`` shards stay as large as the input's.
+    The record's roots are written into the new shards (``opener`` reads them through the
+    new index) before that index replaces the old."""
     directory = origin.path.parent
     old_shards = [p for p in origin.files if p != origin.path]
     limit = options.max_shard_size or max((p.stat().st_size for p in old_shards), default=None)
@@ -421,6 +427,8 @@ def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, opti
             written.append(directory / name)
             with _atomic.atomic_file(directory / name, like=like) as tmp:
                 _write_file(tmp, shard, options.metadata, options)
+            if options.record is not None:
+                options.record.moved(tmp, directory / name)
             weight_map.update({key: name for key, _ in shard})
     except NotDurableError as e:  # the old index still rules, so nothing was published: say so
         _unlink_all(written)
@@ -432,6 +440,8 @@ def _write_sharded_in_place(entries: list[tuple[str, Any]], origin: Origin, opti
     try:
         with _atomic.atomic_file(origin.path, like=os.stat(origin.path)) as tmp:
             _write_index(tmp, entries, weight_map)
+            if options.record is not None:  # (the new shards' roots, before the index makes them the checkpoint)
+                options.record.seal(opener, tmp)
     except NotDurableError:  # the new index is in place: its shards stay, the old ones go
         _unlink_all(stale)
         raise
