@@ -4,6 +4,7 @@ HTTP server on 127.0.0.1 that honours Range, counts what it serves, and fails on
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import time
 from pathlib import Path
@@ -210,6 +211,15 @@ def test_convert_and_average_of_remote_inputs_are_bit_exact(server, tmp_path, cl
         for key in name.split("."):
             node = node[key]
         assert np.asarray(node).tobytes() == value.tobytes()
+    record = json.loads(treecli.open(out).metadata["treecli.record"])  # (issue 44: every leaf copied, none read twice)
+    assert record["inputs"] == [{"name": f"{server.url}/a.safetensors", "root": treecli.hash(out).root}]
+    served = server.bytes_served
+    averaged = cli("average", f"{server.url}/a.safetensors", f"{server.url}/b.safetensors", "-o",
+                   tmp_path / "avg.safetensors")
+    assert averaged.code == 0, averaged.stderr
+    record = cli("show", tmp_path / "avg.safetensors", "--json").json["record"]
+    assert [i["root"] for i in record["inputs"]] == [None, None]  # (its root not taken: not downloaded twice)
+    assert server.bytes_served - served < 1.2 * sum(v.nbytes for v in (*a.values(), *b.values())) + 200_000
     averaged = cli("average", f"{server.url}/a.safetensors", f"{server.url}/b.safetensors", "-o", tmp_path / "avg.npz")
     assert averaged.code == 0, averaged.stderr
     soup = np.load(tmp_path / "avg.npz")
