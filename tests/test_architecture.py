@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).parent.parent / "treecli"
 ENTRY = {"treecli", "treecli.__main__"}  # the public API's facade and `python -m treecli`: above everything
 CORE = {"treecli._keypath", "treecli._index", "treecli._dtypes", "treecli._errors", "treecli._escape",
         "treecli._units", "treecli._leaf", "treecli._devices", "treecli._cluster", "treecli._tree", "treecli._pytree",
-        "treecli._gc", "treecli._memory", "treecli._atomic", "treecli._names"}
+        "treecli._gc", "treecli._memory", "treecli._atomic", "treecli._names", "treecli._hostbuffers"}
 OPERATIONS = {"treecli._summary", "treecli._slice", "treecli._average", "treecli._merge", "treecli._configmerge",
               "treecli._edit", "treecli._diff", "treecli._layers"}
 # shared by operations (and recipes): _tensor_ops' reversible leaves, _transforms' operations by name

@@ -15,7 +15,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _average, _configmerge, _diff, _edit, _merge, _pytree, _slice, _tree
+from treecli import _average, _configmerge, _devices, _diff, _edit, _merge, _pytree, _slice, _tree
 from treecli._bytes import digest as _digest
 from treecli._errors import UsageError
 from treecli._keypath import format_keypath
@@ -50,7 +50,8 @@ def open(path: str | Path, format: str | None = None, *, like: Any = None,  # no
 
 
 def load(path: str | Path, format: str | None = None, *, like: Any = None, sharding: Any = None,
-         lazy: bool | None = None, step: int | None = None, item: str | None = None) -> Any:
+         lazy: bool | None = None, step: int | None = None, item: str | None = None, threads: int = _devices.READERS,
+         buffer_bytes: int = _devices.BUFFER_BYTES, direct_io: bool = False) -> Any:
     """The tree of a checkpoint.
 
     Every JAX array is read shard by shard, each addressable shard from its own byte
@@ -75,6 +76,13 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, shard
             needs) or arrays read now (of the template's kind: JAX arrays for JAX
             arrays and ``ShapeDtypeStruct``\\ s, else NumPy). Default: lazy without
             ``like``, arrays with it. Arrays go straight into ``jax.jit``.
+        threads: reads onto devices at once (files are read in requests on all of them).
+        buffer_bytes: the bytes of a read request, and of each host buffer an accelerator's
+            copies go through (a ring of ``threads`` of them, reused: the host memory a
+            load takes).
+        direct_io: read past the page cache (``O_DIRECT``), neither needing nor filling it,
+            where the file system takes it (else through it): for files read once, larger
+            than the memory free for the cache.
 
     Raises:
         FormatError: the file is not a valid checkpoint.
@@ -97,10 +105,11 @@ def load(path: str | Path, format: str | None = None, *, like: Any = None, shard
         item = items[0]  # a template describes one item's tree, as CheckpointManager.restore does
     if item is not None:
         checkpoint.tree = checkpoint.item(item)
+    settings = _devices.Settings(threads=threads, buffer_bytes=buffer_bytes, direct_io=direct_io)
     if template is not None:
-        tree = _pytree.fill(template, checkpoint.tree, file=str(path), lazy=lazy)
+        tree = _pytree.fill(template, checkpoint.tree, file=str(path), lazy=lazy, settings=settings)
     elif sharding is not None:
-        tree = _pytree.onto_devices(checkpoint.tree, sharding, file=str(path))
+        tree = _pytree.onto_devices(checkpoint.tree, sharding, file=str(path), settings=settings)
         lazy = False
     elif lazy:
         tree = checkpoint.tree

@@ -101,6 +101,15 @@ class ArrayLeaf:
         """
         out[...] = self.read_flat(start, stop)
 
+    # Whether ``read_index_into`` reads straight into the array given (no copy of its own):
+    # a load onto CPU devices then reads into the memory the device takes as it is.
+    reads_into_arrays = False
+
+    def read_index_into(self, index: tuple, out) -> None:
+        """Fill ``out`` (a C-contiguous array of this dtype and the index's shape) with
+        ``self[index]``, ``index`` a tuple of slices (``()``: the whole leaf)."""
+        out[...] = self.read(index) if index else self.read()
+
     def read(self, index: Any = ()):
         """``self[index]`` for a NumPy basic index; the default reads the whole leaf."""
         import numpy as np
@@ -194,6 +203,8 @@ class WholeLeaf(ArrayLeaf):
     def read(self, index: Any = ()):
         import numpy as np
 
+        if self._cache is None and (index == () or index is Ellipsis):
+            return self.load().reshape(self.shape)  # (loaded for this call alone: the caller's, not copied again)
         whole = self._cache if self._cache is not None else self.load()
         return np.array(_index_array(whole.reshape(self.shape), index), copy=True)
 

@@ -213,7 +213,7 @@ def numbers_as_arrays(tree: Any) -> Any:
 # --- templates: load(path, like=...) and --like MODULE:ATTR -----------------------------------------
 
 
-def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
+def fill(template: Structure, tree: Any, *, file: str, lazy: bool, settings: Any = None) -> Any:
     """The template's own type with its data leaves taken from ``tree`` by key path.
 
     Raises:
@@ -252,7 +252,8 @@ def fill(template: Structure, tree: Any, *, file: str, lazy: bool) -> Any:
             to_devices.append((format_keypath(keypath), leaf, sharding, index))
         else:
             leaves[index] = convert(leaf, expected)
-    placed = _devices.place([(leaf, sharding) for _, leaf, sharding, _ in to_devices], [t[0] for t in to_devices])
+    placed = _devices.place([(leaf, sharding) for _, leaf, sharding, _ in to_devices], [t[0] for t in to_devices],
+                            settings or _devices.Settings())
     for (_, _, _, index), array in zip(to_devices, placed):
         expected = template.leaves[index]
         leaves[index] = _wrap_key_data(array, expected) if is_key(expected) else array
@@ -282,7 +283,7 @@ def _check_fits(sharding: Any, leaf: _leaf.ArrayLeaf, file: str, keypath: str) -
                          f"{type(e).__name__}: {reason}", file=file, keypath=keypath) from None
 
 
-def onto_devices(tree: Any, sharding: Any, *, file: str) -> Any:
+def onto_devices(tree: Any, sharding: Any, *, file: str, settings: Any = None) -> Any:
     """A native tree with each array leaf read into a JAX array of ``sharding`` (one for
     every leaf, or a function of the key path's text giving one; ``None``: the default
     device); other leaves as they are.
@@ -300,7 +301,8 @@ def onto_devices(tree: Any, sharding: Any, *, file: str) -> Any:
         _check_fits(target, leaf, file, text)
         chosen.append((keypath, leaf, target))
     placed = dict(zip((keypath for keypath, _, _ in chosen),
-                      _devices.place([(l, t) for _, l, t in chosen], [format_keypath(kp) for kp, _, _ in chosen])))
+                      _devices.place([(l, t) for _, l, t in chosen], [format_keypath(kp) for kp, _, _ in chosen],
+                                     settings or _devices.Settings())))
     return _tree.map_leaves(lambda keypath, leaf: placed.get(keypath, leaf), tree)
 
 

@@ -66,6 +66,10 @@ def identity(info: os.stat_result) -> tuple[int, int, int, int]:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
+# Direct I/O's alignment of addresses, offsets and sizes: the largest logical block size in use.
+DIRECT_ALIGN = 4096
+
+
 class FileReader:
     """An input file read with positionless ``preadv``, through a bounded pool of descriptors.
 
@@ -137,6 +141,32 @@ class FileReader:
                     )
                 done += n
         self.bytes_read += done
+
+    def read_direct(self, buffer, offset: int) -> int:
+        """Read with direct I/O, past the page cache (neither needing it nor filling it), into
+        ``buffer`` (a NumPy array whose address, like ``offset`` and its size, is a multiple of
+        the block size ``DIRECT_ALIGN``); returns the bytes read, fewer where the file ends.
+
+        Raises:
+            OSError: the file system does not take direct I/O (tmpfs), or not so aligned: the
+                caller reads through the cache instead.
+            FormatError: the file changed since it was opened.
+        """
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_DIRECT", 0))
+        try:
+            if identity(os.fstat(fd)) != self.identity:
+                raise FormatError("the file changed since it was opened (replaced or rewritten); run the command "
+                                  "again", file=self.path)
+            view, done = memoryview(buffer.reshape(-1).view("uint8")), 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+        self.bytes_read += done
+        return done
 
     def close(self) -> None:
         _POOL.close(self.token)

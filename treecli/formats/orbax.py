@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from treecli import _leaf, _memory, _tree
+from treecli._devices import READERS
 from treecli._errors import FormatError, TreecliError, UsageError, option
 from treecli._keypath import format_keypath
 from treecli._bytes.local import refuse_special
@@ -359,7 +360,12 @@ def _open_arrays(directory: Folder, names: dict[tuple, str], *, use_ocdbt: bool,
     driver = "zarr3" if use_zarr3 else "zarr"
     # One context for the checkpoint's arrays: they share one OCDBT database, its manifest and
     # B-tree nodes read once and kept in a small cache (each array alone re-read them).
-    context = ts.Context({"cache_pool": {"total_bytes_limit": METADATA_CACHE_BYTES}, **retries.tensorstore_retries()})
+    # Its reads and copies as concurrent as a load's own (``_devices.READERS`` threads read
+    # pieces at once, each a TensorStore read here): TensorStore's defaults follow the cores.
+    concurrency = {"limit": max(os.cpu_count() or 1, READERS)}
+    context = ts.Context({"cache_pool": {"total_bytes_limit": METADATA_CACHE_BYTES},
+                          "file_io_concurrency": concurrency, "data_copy_concurrency": concurrency,
+                          **retries.tensorstore_retries()})
     futures = {}
     for keypath, name in names.items():
         if use_ocdbt:
@@ -420,6 +426,20 @@ class OrbaxLeaf(_leaf.WholeLeaf):
     def load(self):
         return self._read_box(())
 
+    reads_into_arrays = True
+
+    def read_index_into(self, index: tuple, out) -> None:
+        """TensorStore writes the selection into ``out`` itself (its own read's array is only
+        16-byte aligned: JAX would copy it again to put it on a CPU device)."""
+        import tensorstore as ts
+
+        self._checked_size(out.nbytes)
+        try:
+            ts.array(out).write(self._store[index] if index else self._store).result()
+        except Exception as e:
+            raise FormatError(f"cannot read the array data: {str(e).splitlines()[0][:200]}", file=self._file,
+                              keypath=self._name) from None
+
     def read_flat(self, start: int, stop: int):
         if self._band_rows is None:
             return super().read_flat(start, stop)
@@ -459,17 +479,19 @@ class OrbaxLeaf(_leaf.WholeLeaf):
         data = self._read_box(tuple(box)).reshape([b.stop - b.start for b in box])
         return np.array(data[tuple(within)], copy=True).reshape(final_shape)
 
-    def _read_box(self, box: tuple):
-        """The elements of ``self[box]`` (slices of the leading axes), flat."""
-        rows = box[0].stop - box[0].start if box else self.shape[0] if self.shape else 1
-        nbytes = self.nbytes // max(1, self.shape[0]) * rows if self.shape else self.nbytes
-        # Checked first: a 2 KB checkpoint may declare 2**37 elements of fill value, and
-        # tensorstore allocating them aborts the whole process (std::bad_alloc).
+    def _checked_size(self, nbytes: int) -> None:
+        """Checked before a read: a 2 KB checkpoint may declare 2**37 elements of fill value,
+        and tensorstore allocating them aborts the whole process (std::bad_alloc)."""
         available = _memory.available()
         if available is not None and 2 * nbytes > available:
             raise FormatError(f"{nbytes / 2**30:.1f} GiB of the array must be read at once from Orbax, but "
                               f"{available / 2**30:.1f} GiB of memory is available", file=self._file,
                               keypath=self._name)
+
+    def _read_box(self, box: tuple):
+        """The elements of ``self[box]`` (slices of the leading axes), flat."""
+        rows = box[0].stop - box[0].start if box else self.shape[0] if self.shape else 1
+        self._checked_size(self.nbytes // max(1, self.shape[0]) * rows if self.shape else self.nbytes)
         try:
             return (self._store[box] if box else self._store).read().result().reshape(-1)
         except Exception as e:  # tensorstore raises ValueError and friends with long messages
