@@ -97,17 +97,37 @@ class _Whole:
     lock: threading.Lock = field(default_factory=threading.Lock)
     data: Any = None
 
-    def piece(self, index: tuple) -> Any:
+    def piece(self, index: tuple, into_host_memory: bool) -> Any:
+        """The piece ``index`` of the leaf: a copy of its own; onto CPU devices, a range of
+        rows as a view of the whole (the devices' arrays then share the one read)."""
         import numpy as np
 
         with self.lock:
             if self.data is None:
-                self.data = np.asarray(self.leaf).reshape(self.leaf.shape)
-            out = np.array(self.data[index], copy=True)
+                if into_host_memory and self.leaf.reads_into_arrays:  # (aligned, as the devices take it)
+                    self.data = aligned(self.leaf.nbytes).view(self.leaf.dtype).reshape(self.leaf.shape)
+                    self.leaf.read_index_into((), self.data)
+                else:
+                    self.data = np.asarray(self.leaf).reshape(self.leaf.shape)
+            data = self.data
             self.pending -= 1
             if self.pending == 0:
                 self.data = None
-            return out
+        view = data[index]
+        return view if into_host_memory and view.flags.c_contiguous else np.array(view, copy=True)
+
+
+@dataclass
+class _Together:
+    """The pieces of a leaf read whole, placed by one task: as many tasks would all wait on
+    the one that reads it, each holding a thread (eight of a leaf's, every thread)."""
+
+    whole: _Whole
+    pieces: list
+
+    def run(self) -> None:
+        for piece in self.pieces:
+            piece.run()
 
 
 @dataclass
@@ -137,12 +157,15 @@ class _Piece:
         import numpy as np
 
         if self.whole is not None:
-            return self.whole.piece(self.index)
+            return self.whole.piece(self.index, self.into_host_memory)
         if self.into_host_memory and self.leaf.reads_into_arrays:  # (aligned: the CPU device takes it as it is)
             out = aligned(self.nbytes).view(self.leaf.dtype).reshape(self.shape)
             self.leaf.read_index_into(self.index, out)
             return out
         return np.asarray(self.leaf.read(self.index) if self.index else self.leaf.read())
+
+    def run(self) -> None:
+        self.result = self.place()
 
     def place(self) -> list:
         held = self.in_flight.hold(self.nbytes) if self.in_flight is not None else 0
@@ -334,7 +357,12 @@ def place(leaves: Sequence[tuple[_leaf.ArrayLeaf, Any]], names: Sequence[str] = 
         if run is None:
             piece.in_flight, piece.into_host_memory = in_flight, into_host_memory
             jobs.append(piece)
-            tasks.append((piece, None))
+            if piece.whole is None:
+                tasks.append((piece, None))
+            elif not any(isinstance(job, _Together) and job.whole is piece.whole for job, _ in tasks[-1:]):
+                tasks.append((_Together(piece.whole, []), None))  # (a leaf read whole: its pieces one task)
+            if piece.whole is not None:
+                tasks[-1][0].pieces.append(piece)
         else:
             jobs.append(_Run(piece, run, settings, reads, ring))
             tasks += jobs[-1].tasks()
@@ -360,7 +388,7 @@ def _run_all(tasks: list, threads: int) -> None:
     def do(task: tuple) -> None:
         job, i = task
         if i is None:
-            job.result = job.place()
+            job.run()
         else:
             job.read(i)
 
