@@ -242,6 +242,8 @@ class _Run:
 
     def read(self, i: int) -> None:
         """Request ``i``: read; the last one read puts the piece on its devices."""
+        if i == 0 and not self.reads.direct and hasattr(self.piece.leaf.reader, "will_need"):
+            self.piece.leaf.reader.will_need(self.offset, self.nbytes)  # (the kernel reads the run ahead)
         if self.ring is None:
             begin, end = self.requests[i]
             self.reads.read(self.piece.leaf.reader, begin, end - begin, self.host, self._base)

@@ -142,6 +142,14 @@ class FileReader:
                 done += n
         self.bytes_read += done
 
+    def will_need(self, offset: int, size: int) -> None:
+        """Tell the kernel that ``size`` bytes at ``offset`` will be read soon: it reads them
+        into the page cache in large requests of its own, ahead of the reads (which several
+        threads make of one run, in no order its readahead would follow)."""
+        if hasattr(os, "posix_fadvise"):
+            with _POOL.descriptor(self) as fd, contextlib.suppress(OSError):  # (only a hint is lost)
+                os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+
     def read_direct(self, buffer, offset: int) -> int:
         """Read with direct I/O, past the page cache (neither needing it nor filling it), into
         ``buffer`` (a NumPy array whose address, like ``offset`` and its size, is a multiple of
