@@ -119,8 +119,8 @@ class _Whole:
 
 @dataclass
 class _Together:
-    """The pieces of a leaf read whole, placed by one task: as many tasks would all wait on
-    the one that reads it, each holding a thread (eight of a leaf's, every thread)."""
+    """The pieces of a leaf read whole, placed by one task: a task a piece would each hold a
+    thread waiting for the one that reads the leaf (a leaf's eight shards, every thread)."""
 
     whole: _Whole
     pieces: list
@@ -147,11 +147,7 @@ class _Piece:
 
     @property
     def nbytes(self) -> int:
-        import math
-
-        if not self.index:
-            return self.leaf.nbytes
-        return math.prod(len(range(*s.indices(n))) for s, n in zip(self.index, self.leaf.shape)) * self.leaf.itemsize
+        return math.prod(self.shape) * self.leaf.itemsize
 
     def read(self) -> Any:
         import numpy as np
