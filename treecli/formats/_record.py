@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from treecli import _leaf, _tree
+from treecli import _leaf
 from treecli._bytes import digest as _digest
 
 KEY = "treecli.record"
@@ -88,7 +88,7 @@ class Record:
 
     def start(self, leaf: _leaf.ArrayLeaf) -> Any:
         """The hash of a stored tensor's digest, about to be written (its bytes follow)."""
-        return _digest.started(leaf.stored_dtype, leaf.shape)
+        return _digest.started(leaf.stored_dtype, leaf.shape, leaf.stored_nbytes)
 
     def wrote(self, leaf: _leaf.ArrayLeaf, hashed: Any, place: tuple[int, int, int] | None) -> None:
         """A tensor's bytes were written whole, hashed as ``hashed`` (:meth:`start`'s), at
@@ -150,11 +150,17 @@ class Record:
         again; NOT_TAKEN where one of those is remote (not downloaded twice)."""
         if tree is None:
             return None
-        for leaf in _tree.leaves(tree):
-            if _leaf.is_array(leaf) and any(self._known_leaf(t) is None and any("://" in s for s in t.sources)
-                                            for t in _stored_tensors(_leaf.as_leaf(leaf))):
-                return NOT_TAKEN.ljust(len(self._placeholders[0]))
-        return _digest.digests(tree, known=self._known_leaf).root
+
+        def known(leaf: _leaf.ArrayLeaf) -> str | None:
+            found = self._known_leaf(leaf)
+            if found is None and any("://" in source for source in leaf.sources):
+                raise _Remote
+            return found
+
+        try:
+            return _digest.digests(tree, known=known).root
+        except _Remote:
+            return NOT_TAKEN.ljust(len(self._placeholders[0]))
 
     def _value_of(self, placeholder: str) -> str:
         index = self._placeholders.index(placeholder)
@@ -169,12 +175,8 @@ class Record:
         return entry[1] if entry is not None and entry[0] is leaf else None
 
 
-def _stored_tensors(leaf: _leaf.ArrayLeaf) -> list[_leaf.ArrayLeaf]:
-    """The tensors a leaf is stored as: itself, or its parts (FP8's weight and scales)."""
-    parts = getattr(leaf, "parts", None)
-    if leaf.stored_otherwise and isinstance(parts, dict):
-        return [t for part in parts.values() for t in _stored_tensors(_leaf.as_leaf(part))]
-    return [leaf]
+class _Remote(Exception):
+    """An input's leaf that would be downloaded again to hash it."""
 
 
 def _place(leaf: _leaf.ArrayLeaf) -> tuple[int, int, int] | None:
