@@ -7,10 +7,11 @@ array's type is its dtype (``float32``, ``bfloat16``); a quantized tensor's is i
 quantization (``Q4_K``), and its bytes are its stored blocks, so a GGUF copy of a Q4_K
 tensor hashes as the original does, and its dequantized values as the float array they
 are. A leaf stored as several tensors (an FP8 weight and its block scales: ``FP8
-128x128``) hashes each as a leaf of its own, then their digests under its type and shape. A value that is not an array (a step number, a string)
-hashes its Python type and ``repr``. The root digest is BLAKE3 over each leaf's key path
-(its keys joined with ``.``) and digest, sorted by key path: the same weights give the
-same root whatever the format, file, sharding, tensor order or compression.
+128x128``) hashes each as a leaf of its own, then their digests under its type and shape.
+A value that is not an array (a step number, a string) hashes its Python type and
+``repr``. The root digest is BLAKE3 over each leaf's key path (its keys joined with ``.``)
+and digest, sorted by key path: the same weights give the same root whatever the format,
+file, sharding, tensor order or compression.
 """
 
 from __future__ import annotations

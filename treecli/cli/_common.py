@@ -123,8 +123,9 @@ def write_output(
 
 
 def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequence[Checkpoint], format: str | None,
-           force: bool, in_place: bool, max_shard_size: str | None, drop_unsupported: bool, metadata: dict[str, Any] | None, verify: bool,
-           decided: Any, companions: list[Path], record: Any) -> str | Path:
+           force: bool, in_place: bool, max_shard_size: str | None, drop_unsupported: bool,
+           metadata: dict[str, Any] | None, verify: bool, decided: Any, companions: list[Path],
+           record: Any) -> str | Path:
     from treecli import _tree
     from treecli.formats import save_in_place
     from treecli._units import parse_size
@@ -147,8 +148,8 @@ def _write(out: Output, tree: Any, target: Any, source: Checkpoint, inputs: Sequ
         if in_place:
             target = save_in_place(tree, source, format=format, options=options, verify=verify)
         else:
-            save(tree, target, format=format, input_format=source.format, options=options,
-                 inputs=inputs, force=force, verify=verify, decided=decided)
+            save(tree, target, format=format, input_format=source.format, options=options, inputs=inputs,
+                 force=force, verify=verify, decided=decided)
     return target
 
 
@@ -266,7 +267,6 @@ def record_of(checkpoint: Checkpoint) -> tuple[dict, dict | None, str]:
     if record is None:
         return checkpoint.metadata, None, f"{RECORD_KEY} is not a record treecli wrote ({why})"
     return {k: v for k, v in checkpoint.metadata.items() if k != RECORD_KEY}, record, ""
-
 
 
 def hashed(out: Output, tree: Any, what: str, shares: dict) -> Any:

@@ -110,8 +110,8 @@ def convert(
             written = write_output(out, tree, target, source=ckpt, inputs=[ckpt], format=format, force=force,
                                    max_shard_size=max_shard_size, drop_unsupported=drop_unsupported, verify=verify,
                                    metadata=conversion.metadata_of(tree) if conversion else None,
-                                   companions=companions, decided=decided, record=None if no_record else command_line(context),
-                                   inputs_read_whole=not where)
+                                   companions=companions, decided=decided,
+                                   record=None if no_record else command_line(context), inputs_read_whole=not where)
         errors = quantization_errors(tree)
         notes = [opt.quantized_note(errors, verify)] if errors else [opt.VERIFIED] if verify else []
         warnings = (conversion.warnings if conversion else []) + report.warnings()
