@@ -162,10 +162,16 @@ def test_a_hostile_record_is_escaped_when_shown_and_a_malformed_one_is_not_carri
     assert cli("verify", model).code == 0  # (its root is the weights')
     assert cli("convert", model, tmp_path / "next.safetensors").code == 0
     assert _record(cli, tmp_path / "next.safetensors")["history"][0]["command"] == hostile["command"]
+    step = {k: v for k, v in hostile.items() if k != "history"}
     for broken, why in [("{not json", "not JSON"), (json.dumps({**hostile, "root": "md5:00"}), "not of the form"),
-                        (json.dumps({**hostile, "history": [{"x": 1}]}), "its history")]:
+                        (json.dumps({**hostile, "history": [{"x": 1}]}), "its history"),
+                        ("[" * 200_000, "nested too deep"),
+                        (json.dumps({**hostile, "history": [step] * 101}), "its history"),
+                        (json.dumps({**hostile, "inputs": hostile["inputs"] * 65}), "not of the form"),
+                        (json.dumps({**hostile, "command": "x" * 4097}), "not of the form")]:
         _with_metadata(model, broken)
         assert f"treecli.record is not a record treecli wrote ({why}" in cli("show", model).stdout
+        assert_clean_error(cli("verify", model), "no record to verify against", why)
         result = cli("convert", model, tmp_path / "again.safetensors", "--force")
         assert result.code == 0 and "not carried into the output's history" in result.stderr
         assert _record(cli, tmp_path / "again.safetensors")["history"] == []

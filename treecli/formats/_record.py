@@ -40,6 +40,9 @@ KEY = "treecli.record"
 HISTORY_LIMIT = 100
 _COMMAND_CHARS = 4096
 _INPUTS_LIMIT = 64
+# The longest record text read: past what HISTORY_LIMIT steps of the longest commands and
+# most inputs treecli writes can take, checked before the JSON is parsed.
+_RECORD_CHARS = 64 << 20
 
 
 # What stands for an input's root where it was not taken (padded to a digest's length:
@@ -227,8 +230,12 @@ def parsed(value: Any) -> tuple[dict[str, Any] | None, str]:
     if isinstance(value, (bytes, bytearray)):
         value = bytes(value).decode("utf-8", errors="replace")
     if isinstance(value, str):
+        if len(value) > _RECORD_CHARS:
+            return None, f"{len(value):,} characters, over the {_RECORD_CHARS:,} a record may take"
         try:
             value = json.loads(value)
+        except RecursionError:  # (nested deeper than Python parses: a record is four deep)
+            return None, "nested too deep"
         except ValueError:
             return None, "not JSON"
     record = _step(value)
