@@ -129,6 +129,15 @@ def test_a_changed_manifest_and_a_bad_output_are_refused_in_one_line(cli, model,
     data["leaves"][name] = "blake3:" + "0" * 64  # (the root no longer the one its leaves give)
     manifest.write_text(json.dumps(data))
     assert_clean_error(cli("verify", model, manifest), "was changed")
+    good = json.loads(json.dumps({**data, "leaves": treecli.hash(model).leaves, "root": treecli.hash(model).root}))
+    text = json.dumps(good)
+    for hostile, why in [('{"algorithm": "blake3", "x": ' + "[" * 200_000, "nested too deep"),
+                         (text[:-1] + ', "leaves": {}}', "the key 'leaves' is given twice"),  # (which would count?)
+                         ('{"algorithm": "blake3", "leaves": {', "not JSON")]:
+        manifest.write_text(hostile)
+        assert_clean_error(cli("verify", model, manifest), "not a treecli digest manifest", why)
+    manifest.write_text(text)
+    assert cli("verify", model, manifest).code == 0
     assert_clean_error(cli("hash", model, "-o", manifest), "--force")
     assert_clean_error(cli("hash", model, "-o", model, "--force"), "is the input")
     # a shard of the directory being hashed is an input too: never replaced by the manifest

@@ -166,6 +166,7 @@ def test_a_hostile_record_is_escaped_when_shown_and_a_malformed_one_is_not_carri
     for broken, why in [("{not json", "not JSON"), (json.dumps({**hostile, "root": "md5:00"}), "not of the form"),
                         (json.dumps({**hostile, "history": [{"x": 1}]}), "its history"),
                         ("[" * 200_000, "nested too deep"),
+                        (json.dumps(hostile)[:-1] + ', "root": "' + root + '"}', "the key 'root' is given twice"),
                         (json.dumps({**hostile, "history": [step] * 101}), "its history"),
                         (json.dumps({**hostile, "inputs": hostile["inputs"] * 65}), "not of the form"),
                         (json.dumps({**hostile, "command": "x" * 4097}), "not of the form")]:

@@ -202,9 +202,9 @@ def parse_manifest(text: str, file: str) -> Digests:
         FormatError: not a manifest, or one whose root does not match its leaves.
     """
     try:
-        data = json.loads(text)
+        data = strict_json(text)
     except ValueError as e:
-        raise FormatError(f"not a treecli digest manifest: not JSON ({e})", file=file) from None
+        raise FormatError(f"not a treecli digest manifest: {e}", file=file) from None
     leaves = data.get("leaves") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("algorithm") != ALGORITHM or not isinstance(leaves, dict):
         raise FormatError(f"not a treecli digest manifest: no \"algorithm\": \"{ALGORITHM}\" and \"leaves\" object",
@@ -216,6 +216,29 @@ def parse_manifest(text: str, file: str) -> Digests:
     if data.get("root") != manifest.root:
         raise FormatError("the manifest's root digest is not the one its leaves give: it was changed", file=file)
     return manifest
+
+
+def strict_json(text: str) -> Any:
+    """JSON as a manifest or a record is read from a file: a key given twice (which one counts
+    would be the parser's choice) and nesting deeper than Python parses refused.
+
+    Raises:
+        ValueError: its message says which: not JSON, a key twice, nested too deep.
+    """
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in found:
+                raise ValueError(f"the key {key[:60]!r} is given twice")
+            found[key] = value
+        return found
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from None
 
 
 def is_manifest(head: bytes) -> bool:

@@ -233,11 +233,9 @@ def parsed(value: Any) -> tuple[dict[str, Any] | None, str]:
         if len(value) > _RECORD_CHARS:
             return None, f"{len(value):,} characters, over the {_RECORD_CHARS:,} a record may take"
         try:
-            value = json.loads(value)
-        except RecursionError:  # (nested deeper than Python parses: a record is four deep)
-            return None, "nested too deep"
-        except ValueError:
-            return None, "not JSON"
+            value = _digest.strict_json(value)
+        except ValueError as e:
+            return None, str(e)
     record = _step(value)
     if record is None:
         return None, "not of the form treecli writes"
